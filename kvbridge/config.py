@@ -1,0 +1,192 @@
+"""Side-channel settings: flags first, then environment (``KVBRIDGE_*`` or the vLLM alias).
+
+Every setting is printed once at start-up by ``describe()`` (secrets redacted).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import ssl
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from kvbridge.errors import ConfigError
+from kvbridge.metadata import DEFAULT_MAX_MESSAGE_BYTES
+
+METHODS = ("zmq", "http")
+
+# setting -> environment names, ours first, then the vLLM alias
+ENV_NAMES: dict[str, tuple[str, ...]] = {
+    "handshake_method": ("KVBRIDGE_HANDSHAKE_METHOD", "VLLM_NIXL_HANDSHAKE_METHOD"),
+    "handshake_timeout": ("KVBRIDGE_HANDSHAKE_TIMEOUT", "VLLM_NIXL_HANDSHAKE_TIMEOUT"),
+    "side_channel_host": ("KVBRIDGE_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_HOST"),
+    "side_channel_port": ("KVBRIDGE_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_PORT"),
+    "advertise_host": ("KVBRIDGE_ADVERTISE_HOST",),
+    "token": ("KVBRIDGE_SIDE_CHANNEL_TOKEN",),
+    "token_file": ("KVBRIDGE_SIDE_CHANNEL_TOKEN_FILE",),
+    "ssl_certfile": ("KVBRIDGE_SSL_CERTFILE",),
+    "ssl_keyfile": ("KVBRIDGE_SSL_KEYFILE",),
+    "ssl_ca_certs": ("KVBRIDGE_SSL_CA_CERTS",),
+    "ssl_cert_reqs": ("KVBRIDGE_SSL_CERT_REQS",),
+    "max_message_bytes": ("KVBRIDGE_MAX_MESSAGE_BYTES",),
+}
+
+_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED,
+              "0": ssl.CERT_NONE, "1": ssl.CERT_OPTIONAL, "2": ssl.CERT_REQUIRED}
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """uvicorn-style TLS settings, used for the server and, as a client, for mTLS.
+
+    ``cert_reqs`` is an ``ssl.VerifyMode`` value as uvicorn takes it.
+    """
+
+    certfile: str | None = None
+    keyfile: str | None = None
+    ca_certs: str | None = None
+    cert_reqs: int = ssl.CERT_NONE
+
+    @property
+    def enabled(self) -> bool:
+        return self.certfile is not None
+
+    def server_context(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.certfile, self.keyfile)
+        ctx.verify_mode = ssl.VerifyMode(self.cert_reqs)
+        if self.ca_certs:
+            ctx.load_verify_locations(self.ca_certs)
+        return ctx
+
+    def client_context(self) -> ssl.SSLContext:
+        """Verify the server against ``ca_certs`` (system store if unset); present our
+        certificate so a server that requires client certificates accepts us."""
+        ctx = ssl.create_default_context(cafile=self.ca_certs)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.certfile:
+            ctx.load_cert_chain(self.certfile, self.keyfile)
+        return ctx
+
+
+@dataclass(frozen=True)
+class SideChannelConfig:
+    handshake_method: str = "zmq"
+    handshake_timeout: float = 10.0
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5600
+    advertise_host: str | None = None
+    token: str | None = None
+    token_file: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = ssl.CERT_NONE
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    @classmethod
+    def load(cls, flags: Mapping[str, Any] | None = None,
+             environ: Mapping[str, str] | None = None) -> SideChannelConfig:
+        """Flags (non-None values) win over the environment, which wins over defaults."""
+        environ = os.environ if environ is None else environ
+        flags = flags or {}
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if flags.get(f.name) is not None:
+                values[f.name] = flags[f.name]
+                continue
+            for env in ENV_NAMES.get(f.name, ()):
+                if environ.get(env, "") != "":
+                    values[f.name] = environ[env]
+                    break
+        return cls(**_coerce(values)).validated()
+
+    @property
+    def tls(self) -> TLSConfig:
+        return TLSConfig(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs, self.ssl_cert_reqs)
+
+    @property
+    def advertised(self) -> str:
+        return self.advertise_host or self.side_channel_host
+
+    def validated(self) -> SideChannelConfig:
+        """Refuse unsafe or inconsistent settings with a message saying what to change."""
+        if self.handshake_method not in METHODS:
+            raise ConfigError(f"handshake method {self.handshake_method!r}: use one of {METHODS}")
+        if not self.handshake_timeout > 0:
+            raise ConfigError(f"handshake timeout must be > 0 seconds, got {self.handshake_timeout}")
+        if not 0 <= self.side_channel_port <= 65535:
+            raise ConfigError(f"side channel port {self.side_channel_port} out of range")
+        if _is_wildcard(self.advertised):
+            raise ConfigError(
+                f"advertising the wildcard address {self.advertised!r} tells peers nothing: "
+                "set KVBRIDGE_ADVERTISE_HOST (--advertise-host) to an address peers can reach")
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ConfigError("TLS key given without a certificate (ssl_certfile)")
+        if self.ssl_cert_reqs != ssl.CERT_NONE and not self.ssl_ca_certs:
+            raise ConfigError("client certificates required but no CA bundle (ssl_ca_certs) "
+                              "to verify them")
+        if self.token and self.token_file:
+            raise ConfigError("give the side-channel token either inline or as a file, not both")
+        if self.token_file:
+            return replace(self, token=read_token_file(self.token_file), token_file=self.token_file)
+        return self
+
+    def describe(self) -> list[str]:
+        out = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "token":
+                v = "<set>" if v else None
+            elif f.name == "ssl_cert_reqs":
+                v = ssl.VerifyMode(v).name
+            out.append(f"{f.name}={v}")
+        return out
+
+
+def read_token_file(path: str) -> str:
+    p = Path(path)
+    try:
+        st = p.stat()
+        text = p.read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"cannot read token file {path}: {e.strerror}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"token file {path} is readable by group or others "
+                          f"(mode {stat.S_IMODE(st.st_mode):o}): chmod 600 it")
+    if not text:
+        raise ConfigError(f"token file {path} is empty")
+    return text
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return host in ("", "*")
+
+
+def _coerce(values: dict[str, Any]) -> dict[str, Any]:
+    out = dict(values)
+    try:
+        if "handshake_method" in out:
+            out["handshake_method"] = str(out["handshake_method"]).strip().lower()
+        if "handshake_timeout" in out:
+            out["handshake_timeout"] = float(out["handshake_timeout"])
+        for k in ("side_channel_port", "max_message_bytes"):
+            if k in out:
+                out[k] = int(out[k])
+    except ValueError as e:
+        raise ConfigError(f"bad setting value: {e}") from None
+    if "ssl_cert_reqs" in out and not isinstance(out["ssl_cert_reqs"], int):
+        key = str(out["ssl_cert_reqs"]).strip().lower().removeprefix("cert_")
+        if key not in _CERT_REQS:
+            raise ConfigError(f"ssl_cert_reqs {out['ssl_cert_reqs']!r}: use none, optional or "
+                              "required (or 0, 1, 2)")
+        out["ssl_cert_reqs"] = int(_CERT_REQS[key])
+    return out
