@@ -1,0 +1,173 @@
+"""The handshake strategy interface, shared by the ``zmq`` and ``http`` methods.
+
+Server side: a ``MetadataStore`` holds every rank's metadata of this instance
+(the head process fills it from its workers) and a ``HandshakeServer`` serves it
+from one port. Client side: a ``HandshakeClient`` fetches one rank (or all) of a
+peer within a deadline, retrying connection errors with backoff, and returns
+verified ``RankMetadata``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from kvbridge.errors import AuthError, HandshakeError, HandshakeTimeout, WireFormatError
+from kvbridge.metadata import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Compat,
+    RankMetadata,
+    decode_envelope,
+    encode_envelope,
+    to_jsonable,
+)
+
+# Largest request a side channel accepts: requests carry a rank and a token only.
+MAX_REQUEST_BYTES = 16 * 1024
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A server's answer, independent of the transport (HTTP-style status codes)."""
+
+    status: int
+    body: bytes = b""
+    error: str = ""
+
+
+class MetadataStore:
+    """Every rank's metadata of this instance, and the encoded replies to serve.
+
+    Thread-safe; replies are encoded once per change, not per request.
+    """
+
+    def __init__(self, compat: Compat, tp_size: int):
+        self.compat = compat
+        self.tp_size = tp_size
+        self._ranks: dict[int, RankMetadata] = {}
+        self._lock = threading.Lock()
+        self._encoded: dict[int | None, bytes] = {}
+
+    def set_rank(self, meta: RankMetadata) -> None:
+        if not 0 <= meta.tp_rank < self.tp_size or meta.tp_size != self.tp_size:
+            raise ValueError(f"rank {meta.tp_rank}/{meta.tp_size} does not fit tp_size "
+                             f"{self.tp_size}")
+        with self._lock:
+            self._ranks[meta.tp_rank] = meta
+            self._encoded.clear()
+
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            return len(self._ranks) == self.tp_size
+
+    def reply(self, tp_rank: int | None) -> Reply:
+        with self._lock:
+            if len(self._ranks) < self.tp_size:
+                return Reply(503, error=f"metadata of {len(self._ranks)}/{self.tp_size} "
+                                        "ranks in; not ready")
+            if tp_rank is not None and not 0 <= tp_rank < self.tp_size:
+                return Reply(404, error=f"no tp_rank {tp_rank}: tp_size is {self.tp_size}")
+            if tp_rank not in self._encoded:
+                ranks = ([self._ranks[tp_rank]] if tp_rank is not None
+                         else [self._ranks[r] for r in range(self.tp_size)])
+                self._encoded[tp_rank] = encode_envelope(self.compat, ranks)
+            return Reply(200, self._encoded[tp_rank])
+
+    def json_view(self, tp_rank: int | None) -> dict:
+        with self._lock:
+            ranks = ([self._ranks[tp_rank]] if tp_rank is not None
+                     else [self._ranks[r] for r in sorted(self._ranks)])
+        return to_jsonable(ranks, self.compat)
+
+
+def token_ok(expected: str | None, given: str | None) -> bool:
+    """Constant-time comparison; no token configured accepts anything."""
+    if expected is None:
+        return True
+    return given is not None and hmac.compare_digest(expected.encode(), given.encode())
+
+
+class HandshakeServer(ABC):
+    """Serves a ``MetadataStore`` on one port until ``stop``."""
+
+    method: str
+
+    @property
+    @abstractmethod
+    def port(self) -> int: ...
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def stop(self) -> None: ...
+
+    def __enter__(self) -> HandshakeServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class _Retry(Exception):
+    """A transport failure worth another attempt (refused, reset) before the deadline."""
+
+
+class HandshakeClient(ABC):
+    """Fetches a peer's metadata; the transport is the subclass's business."""
+
+    method: str
+
+    def __init__(self, timeout: float, expected: Compat | None, token: str | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.timeout = timeout
+        self.expected = expected
+        self.token = token
+        self.max_message_bytes = max_message_bytes
+
+    @abstractmethod
+    def _request(self, host: str, port: int, tp_rank: int | None, deadline: float) -> Reply:
+        """One attempt; raise ``_Retry`` for transient transport errors, ``HandshakeTimeout``
+        when the deadline passes."""
+
+    def close(self) -> None:
+        """Release pooled connections."""
+        return None
+
+    def fetch(self, host: str, port: int, tp_rank: int | None = None) -> list[RankMetadata]:
+        """The peer's metadata for ``tp_rank`` (all ranks when None), verified.
+
+        Bounded by ``timeout`` in total, whatever the peer does.
+        """
+        deadline = time.monotonic() + self.timeout
+        delay = 0.02
+        while True:
+            try:
+                reply = self._request(host, port, tp_rank, deadline)
+                break
+            except _Retry as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise HandshakeTimeout(
+                        f"{self.method} handshake with {host}:{port} gave up after "
+                        f"{self.timeout:g}s: {e}") from None
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 0.5)
+        where = f"{self.method}://{host}:{port}"
+        if reply.status == 401:
+            raise AuthError(f"{where} refused our credentials: {reply.error}")
+        if reply.status != 200:
+            raise HandshakeError(f"{where} answered {reply.status}: {reply.error}")
+        try:
+            ranks = decode_envelope(reply.body, self.expected, self.max_message_bytes)
+        except WireFormatError as e:
+            raise WireFormatError(f"{where}: {e}") from None
+        if tp_rank is not None and [r.tp_rank for r in ranks] != [tp_rank]:
+            raise WireFormatError(f"{where} answered ranks {[r.tp_rank for r in ranks]} "
+                                  f"when asked for rank {tp_rank}")
+        return ranks

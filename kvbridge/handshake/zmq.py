@@ -1,0 +1,149 @@
+"""The ``zmq`` method: a ROUTER listener and a DEALER client speaking msgpack.
+
+Request: ``ZmqRequest`` (schema version, token, tp_rank or None for all ranks).
+Reply: ``ZmqReply`` (HTTP-style status, error text, envelope bytes). The
+envelope is the same as over http. ZMQ here has no TLS: see docs/security.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import msgspec
+import zmq
+
+from kvbridge.errors import HandshakeTimeout, WireFormatError
+from kvbridge.handshake.base import (
+    MAX_REQUEST_BYTES,
+    HandshakeClient,
+    HandshakeServer,
+    MetadataStore,
+    Reply,
+    token_ok,
+)
+from kvbridge.metadata import SCHEMA_VERSION
+
+log = logging.getLogger(__name__)
+
+
+class ZmqRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    schema_version: int
+    token: str | None
+    tp_rank: int | None
+
+
+class ZmqReply(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    status: int
+    error: str
+    envelope: bytes
+
+
+_req_decoder = msgspec.msgpack.Decoder(ZmqRequest)
+_reply_decoder = msgspec.msgpack.Decoder(ZmqReply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://[{host.strip('[]')}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class ZmqHandshakeServer(HandshakeServer):
+    method = "zmq"
+
+    def __init__(self, store: MetadataStore, host: str, port: int, *, token: str | None = None):
+        self._store = store
+        self._token = token
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # Oversized requests are dropped by libzmq before they reach us.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if ":" in host:
+            self._sock.setsockopt(zmq.IPV6, 1)
+        if port == 0:
+            self._port = self._sock.bind_to_random_port(_tcp(host, 0).rsplit(":", 1)[0])
+        else:
+            self._sock.bind(_tcp(host, port))
+            self._port = port
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._serve, name="kvbridge-zmq-side-channel",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._sock.close(linger=0)
+
+    def handle(self, payload: bytes) -> ZmqReply:
+        try:
+            req = _req_decoder.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            return ZmqReply(400, f"malformed request: {e}", b"")
+        if req.schema_version != SCHEMA_VERSION:
+            return ZmqReply(400, f"request schema v{req.schema_version}, server speaks "
+                                 f"v{SCHEMA_VERSION}", b"")
+        if not token_ok(self._token, req.token):
+            return ZmqReply(401, "missing or invalid token", b"")
+        reply = self._store.reply(req.tp_rank)
+        return ZmqReply(reply.status, reply.error, reply.body)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):  # wake up now and then to see the stop flag
+                continue
+            frames = self._sock.recv_multipart()
+            # DEALER/REQ clients send [empty delimiter, payload]; anything else is malformed.
+            ident, rest = frames[0], frames[1:]
+            payload = rest[-1] if rest else b""
+            delim = [b""] if len(rest) == 2 and rest[0] == b"" else []
+            try:
+                reply = self.handle(payload) if len(rest) in (1, 2) else ZmqReply(
+                    400, "malformed request: unexpected frames", b"")
+                self._sock.send_multipart([ident, *delim, _encoder.encode(reply)])
+            except Exception:  # one bad peer must not stop the side channel
+                log.exception("side channel: failed to answer a request")
+
+
+class ZmqHandshakeClient(HandshakeClient):
+    method = "zmq"
+
+    def _request(self, host: str, port: int, tp_rank: int | None, deadline: float) -> Reply:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            # Replies over the limit are dropped by libzmq; they then look like no reply.
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes + 1024)
+            if ":" in host:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(_tcp(host, port))  # zmq reconnects by itself until the deadline
+            sock.send_multipart([b"", _encoder.encode(
+                ZmqRequest(SCHEMA_VERSION, self.token, tp_rank))])
+            left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+            if not sock.poll(left_ms, zmq.POLLIN):
+                raise HandshakeTimeout(
+                    f"zmq handshake with {host}:{port}: no reply within {self.timeout:g}s "
+                    f"(peer down, not answering, or reply over {self.max_message_bytes} bytes)")
+            frames = sock.recv_multipart()
+        finally:
+            sock.close(linger=0)
+        try:
+            reply = _reply_decoder.decode(frames[-1])
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise WireFormatError(f"zmq://{host}:{port}: malformed reply: {e}") from None
+        if len(reply.envelope) > self.max_message_bytes:
+            raise WireFormatError(f"zmq://{host}:{port}: reply exceeds {self.max_message_bytes} B")
+        return Reply(reply.status, reply.envelope, reply.error)
