@@ -1,0 +1,435 @@
+"""OpenAI-compatible prefill/decode (P/D) proxy.
+
+For each completion request the proxy asks a prefill instance for one token with
+``kv_transfer_params.do_remote_decode`` set, then sends the original request to a decode
+instance with the ``kv_transfer_params`` the prefill returned, so the decode pulls the KV
+cache over NIXL instead of recomputing it. Field names follow vLLM's disaggregated proxy so
+vLLM-style engines work unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import ssl
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import anyio
+import certifi
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from kvbridge.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT",
+    "DEFAULT_TIMEOUT",
+    "build_proxy_app",
+    "run_proxy",
+]
+
+log = logging.getLogger(__name__)
+
+# Read/write timeout per operation: a long prompt's prefill or a long non-streamed generation
+# sends nothing until it is done, so this is generous; connecting should be quick.
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_CONNECT_TIMEOUT = 10.0
+_HEALTH_TIMEOUT = 5.0
+
+_COMPLETIONS = "/v1/completions"
+_CHAT = "/v1/chat/completions"
+
+# What the prefill is told: compute the KV cache and keep it for a remote decode to pull.
+_PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Per-hop headers, and ones we set ourselves, are not relayed from the decode to the client.
+_DROP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "content-encoding",
+        "date",
+        "server",
+        "x-request-id",
+    }
+)
+
+
+def _error(
+    status: int, message: str, err_type: str = "upstream_error", param: Any = None
+) -> JSONResponse:
+    """An OpenAI-shaped error response (``code`` carries the status, as vLLM does)."""
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _dumps(obj: Any) -> bytes:
+    # Our own encoding rather than httpx's json=, which rejects NaN that json.loads accepted.
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _upstream_reason(resp: httpx.Response) -> tuple[str, str | None, Any]:
+    """(message, type, param) of an engine's error reply, whatever shape it has."""
+    try:
+        data = resp.json()
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            etype = err.get("type")
+            return str(err["message"]), etype if isinstance(etype, str) else None, err.get("param")
+        for key in ("message", "detail", "error"):
+            if isinstance(data.get(key), str):
+                return data[key], None, None
+    text = resp.text.strip()[:1000]
+    return text or resp.reason_phrase or "no reason given", None, None
+
+
+def _transport_error(role: str, url: str, exc: httpx.HTTPError) -> JSONResponse:
+    """502/504 for an engine that could not be reached or did not answer in time."""
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, httpx.TimeoutException):
+        return _error(504, f"{role} {url} timed out ({type(exc).__name__}): {detail}", "timeout")
+    return _error(502, f"{role} {url} unreachable ({type(exc).__name__}): {detail}")
+
+
+def _prefill_body(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    """The client's request, cut down to a one-token, non-streamed prefill."""
+    out = dict(body)
+    out["max_tokens"] = 1
+    if endpoint == _CHAT and "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    # vLLM rejects stream_options without stream, and min_tokens above max_tokens.
+    out.pop("stream_options", None)
+    out.pop("min_tokens", None)
+    out["kv_transfer_params"] = dict(_PREFILL_KV_PARAMS)
+    return out
+
+
+def _ssl_context(
+    ca_certs: str | None, client_cert: tuple[str, str] | None
+) -> ssl.SSLContext | bool:
+    """Verification settings for https engines; files are read now so mistakes fail at start."""
+    if ca_certs is None and client_cert is None:
+        return True  # httpx's default: verify against certifi's bundle
+    try:
+        ctx = ssl.create_default_context(cafile=ca_certs or certifi.where())
+        if client_cert is not None:
+            certfile, keyfile = client_cert
+            ctx.load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise ConfigError(f"cannot load TLS files for the proxy's engine client: {exc}") from exc
+    return ctx
+
+
+def _check_urls(role: str, urls: Sequence[str]) -> list[str]:
+    if isinstance(urls, str) or not urls:
+        raise ConfigError(f"the proxy needs a list of at least one {role} URL")
+    out = []
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"bad {role} URL {url!r}: expected http(s)://host:port")
+        out.append(url.rstrip("/"))
+    return out
+
+
+class _UpstreamResponse(StreamingResponse):
+    """Relays an engine's streamed response as it arrives and always closes it afterwards,
+    also when the client goes away mid-stream (else the engine keeps generating)."""
+
+    def __init__(self, upstream: httpx.Response, url: str, request_id: str) -> None:
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
+        headers["x-request-id"] = request_id
+        super().__init__(
+            self._relay(upstream, url), status_code=upstream.status_code, headers=headers
+        )
+        self._upstream = upstream
+
+    @staticmethod
+    async def _relay(upstream: httpx.Response, url: str) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_bytes():
+                yield chunk
+        except httpx.HTTPError as exc:
+            # The status is already sent; aborting the connection tells the client it's cut.
+            log.error("decode %s failed mid-response: %r", url, exc)
+            raise
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._upstream.aclose()
+
+
+class _Proxy:
+    def __init__(
+        self,
+        prefill_urls: list[str],
+        decode_urls: list[str],
+        verify: ssl.SSLContext | bool,
+        timeout: httpx.Timeout,
+    ) -> None:
+        self.prefill_urls = prefill_urls
+        self.decode_urls = decode_urls
+        self._prefills = itertools.cycle(prefill_urls)
+        self._decodes = itertools.cycle(decode_urls)
+        self._verify = verify
+        self._timeout = timeout
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        # Normally opened by the lifespan; opened here too if the app is served without one.
+        if self._client is None:
+            self._client = self._new_client()
+        return self._client
+
+    def _new_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            verify=self._verify,
+            timeout=self._timeout,
+            # Streams can be long-lived: don't make requests queue for a pool slot.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=100),
+            # Engines are internal: don't route them through HTTP(S)_PROXY from the environment.
+            trust_env=False,
+        )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self._client = self._new_client()
+        try:
+            yield
+        finally:
+            client, self._client = self._client, None
+            if client is not None:
+                await client.aclose()
+
+    @staticmethod
+    def _engine_headers(request: Request, request_id: str) -> dict[str, str]:
+        headers = {
+            "content-type": "application/json",
+            "x-request-id": request_id,
+            # Relayed bodies are passed through as bytes; keep them uncompressed.
+            "accept-encoding": "identity",
+        }
+        auth = request.headers.get("authorization")
+        if auth is not None:
+            headers["authorization"] = auth
+        return headers
+
+    def completions_endpoint(
+        self, endpoint: str
+    ) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        async def handle(request: Request) -> Response:
+            return await self._handle_completion(request, endpoint)
+
+        return handle
+
+    async def _handle_completion(self, request: Request, endpoint: str) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            return _error(400, "request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        headers = self._engine_headers(request, request_id)
+
+        prefill = next(self._prefills)
+        try:
+            presp = await self.client.post(
+                prefill + endpoint, content=_dumps(_prefill_body(body, endpoint)), headers=headers
+            )
+        except httpx.HTTPError as exc:
+            log.warning("request %s: prefill %s failed: %r", request_id, prefill, exc)
+            return _transport_error("prefill", prefill, exc)
+        if not presp.is_success:
+            message, etype, param = _upstream_reason(presp)
+            log.warning(
+                "request %s: prefill %s returned %d: %s",
+                request_id,
+                prefill,
+                presp.status_code,
+                message,
+            )
+            # Pass the engine's own status on, except a 1xx/3xx which a client can't act on.
+            status = presp.status_code if presp.status_code >= 400 else 502
+            return _error(
+                status,
+                f"prefill {prefill} returned {presp.status_code}: {message}",
+                etype or "upstream_error",
+                param,
+            )
+        try:
+            pdata = presp.json()
+        except ValueError:
+            pdata = None
+        if not isinstance(pdata, dict):
+            return _error(502, f"prefill {prefill} returned a body that is not a JSON object")
+
+        decode_body = dict(body)
+        kv_params = pdata.get("kv_transfer_params")
+        if kv_params is None:
+            # Still served correctly, but the decode recomputes the prompt: no disaggregation.
+            log.warning(
+                "request %s: prefill %s returned no kv_transfer_params; decode will prefill locally",
+                request_id,
+                prefill,
+            )
+            decode_body.pop("kv_transfer_params", None)
+        else:
+            decode_body["kv_transfer_params"] = kv_params
+
+        decode = next(self._decodes)
+        dreq = self.client.build_request(
+            "POST", decode + endpoint, content=_dumps(decode_body), headers=headers
+        )
+        try:
+            dresp = await self.client.send(dreq, stream=True)
+        except httpx.HTTPError as exc:
+            log.warning("request %s: decode %s failed: %r", request_id, decode, exc)
+            return _transport_error("decode", decode, exc)
+        return _UpstreamResponse(dresp, decode, request_id)
+
+    async def models(self, request: Request) -> Response:
+        url = self.decode_urls[0]
+        headers = {}
+        if (auth := request.headers.get("authorization")) is not None:
+            headers["authorization"] = auth
+        try:
+            resp = await self.client.get(url + "/v1/models", headers=headers)
+        except httpx.HTTPError as exc:
+            return _transport_error("decode", url, exc)
+        return Response(
+            resp.content,
+            status_code=resp.status_code,
+            media_type=resp.headers.get("content-type", "application/json"),
+        )
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def _probe(self, url: str) -> dict[str, Any]:
+        try:
+            resp = await self.client.get(url + "/health", timeout=_HEALTH_TIMEOUT)
+        except httpx.HTTPError as exc:
+            return {"url": url, "ok": False, "status": None, "error": repr(exc)}
+        return {"url": url, "ok": resp.is_success, "status": resp.status_code, "error": None}
+
+    async def backends_health(self, request: Request) -> Response:
+        results = await asyncio.gather(
+            *(self._probe(u) for u in self.prefill_urls + self.decode_urls)
+        )
+        n = len(self.prefill_urls)
+        healthy = all(r["ok"] for r in results)
+        body = {
+            "status": "ok" if healthy else "degraded",
+            "prefill": results[:n],
+            "decode": results[n:],
+        }
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+
+def build_proxy_app(
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    *,
+    ca_certs: str | None = None,
+    client_cert: tuple[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+) -> Starlette:
+    """The P/D proxy as a Starlette app.
+
+    ``ca_certs`` verifies https engines (default: certifi's bundle); ``client_cert`` is a
+    (certfile, keyfile) pair presented for mTLS. ``timeout`` bounds each read/write towards an
+    engine, ``connect_timeout`` each connection attempt.
+    """
+    proxy = _Proxy(
+        _check_urls("prefill", prefill_urls),
+        _check_urls("decode", decode_urls),
+        _ssl_context(ca_certs, client_cert),
+        httpx.Timeout(timeout, connect=connect_timeout),
+    )
+    routes = [
+        Route(_COMPLETIONS, proxy.completions_endpoint(_COMPLETIONS), methods=["POST"]),
+        Route(_CHAT, proxy.completions_endpoint(_CHAT), methods=["POST"]),
+        Route("/v1/models", proxy.models, methods=["GET"]),
+        Route("/health", proxy.health, methods=["GET"]),
+        Route("/healthz/backends", proxy.backends_health, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=proxy.lifespan)
+    app.state.proxy = proxy
+    return app
+
+
+def run_proxy(
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    *,
+    host: str = "0.0.0.0",
+    port: int = 8000,
+    ca_certs: str | None = None,
+    client_cert: tuple[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+    log_level: str = "info",
+) -> None:
+    """Serve the proxy with uvicorn until interrupted.
+
+    ``ssl_certfile``/``ssl_keyfile`` make the proxy itself serve https to its clients.
+    """
+    app = build_proxy_app(
+        prefill_urls,
+        decode_urls,
+        ca_certs=ca_certs,
+        client_cert=client_cert,
+        timeout=timeout,
+        connect_timeout=connect_timeout,
+    )
+    scheme = "https" if ssl_certfile else "http"
+    print(
+        f"kvbridge proxy on {scheme}://{host}:{port} "
+        f"prefill={','.join(prefill_urls)} decode={','.join(decode_urls)}",
+        flush=True,
+    )
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
+    )

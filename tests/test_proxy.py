@@ -1,0 +1,528 @@
+"""Unit tests of the P/D proxy (kvbridge.server.proxy).
+
+The prefill and decode engines here are small stand-in Starlette apps served by real uvicorn
+servers on 127.0.0.1 ephemeral ports; they record what they receive. The end-to-end tests with
+the real kvbridge engines live elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import trustme
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvbridge.errors import ConfigError
+from kvbridge.server.proxy import build_proxy_app
+
+PREFILL_KV_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+Serve = Callable[..., str]
+
+
+class FakeEngine:
+    """A stand-in engine: records each request, answers like a vLLM prefill or decode."""
+
+    def __init__(self, name: str, role: str) -> None:
+        self.name = name
+        self.role = role
+        self.url = ""
+        self.calls: list[dict[str, Any]] = []
+        self.fail: tuple[int, Any] | None = None  # (status, JSON body or text) to answer with
+        self.hold: threading.Event | None = None  # prefill answers only once this is set
+        self.gate: threading.Event | None = None  # decode stream pauses after chunk 0 until set
+        self.endless = False  # decode stream never ends after chunk 0
+        self.stream_closed = threading.Event()
+        self.n_chunks = 5
+        # What a vLLM prefill returns for its decode to pull the KV cache.
+        self.kv_params: dict[str, Any] | None = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": f"engine-{name}",
+            "remote_block_ids": [1, 2, 3],
+            "remote_host": "10.0.0.7",
+            "remote_port": 5600,
+            "tp_size": 1,
+        }
+
+    async def _complete(self, request: Request) -> Response:
+        body = await request.json()
+        self.calls.append(
+            {"path": request.url.path, "headers": dict(request.headers), "body": body}
+        )
+        if self.fail is not None:
+            status, payload = self.fail
+            if isinstance(payload, str):
+                return PlainTextResponse(payload, status_code=status)
+            return JSONResponse(payload, status_code=status)
+        if self.hold is not None:
+            await anyio.to_thread.run_sync(self.hold.wait, 10)
+        if self.role == "prefill":
+            out: dict[str, Any] = {"id": f"cmpl-{self.name}", "choices": [{"text": "x"}]}
+            if self.kv_params is not None:
+                out["kv_transfer_params"] = self.kv_params
+            return JSONResponse(out)
+        if body.get("stream"):
+            return StreamingResponse(self._sse(), media_type="text/event-stream")
+        return JSONResponse({"id": f"cmpl-{self.name}", "served_by": self.name})
+
+    async def _sse(self) -> Any:
+        try:
+            for i in range(self.n_chunks):
+                yield f"data: {json.dumps({'by': self.name, 'i': i})}\n\n"
+                if i == 0 and self.endless:
+                    await anyio.sleep_forever()
+                if i == 0 and self.gate is not None:
+                    # If the proxy buffered, the client never sees chunk 0 before this times out.
+                    if not await anyio.to_thread.run_sync(self.gate.wait, 5):
+                        yield 'data: "gate-timeout"\n\n'
+            yield "data: [DONE]\n\n"
+        finally:
+            self.stream_closed.set()
+
+    async def _models(self, request: Request) -> Response:
+        self.calls.append({"path": request.url.path, "headers": dict(request.headers)})
+        return JSONResponse({"object": "list", "data": [{"id": "m", "owned_by": self.name}]})
+
+    async def _health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/completions", self._complete, methods=["POST"]),
+                Route("/v1/chat/completions", self._complete, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+            ]
+        )
+
+
+@pytest.fixture
+def serve() -> Iterator[Serve]:
+    """Serve an ASGI app with a real uvicorn in a thread; returns its base URL."""
+    servers: list[tuple[uvicorn.Server, threading.Thread, socket.socket]] = []
+
+    def start(app: Any, **config: Any) -> str:
+        # Bound and listening before uvicorn starts: early connections wait in the backlog,
+        # so nobody has to wait for start-up.
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app, log_config=None, log_level="warning", timeout_graceful_shutdown=2, **config
+            )
+        )
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        servers.append((server, thread, sock))
+        scheme = "https" if "ssl_certfile" in config else "http"
+        return f"{scheme}://127.0.0.1:{sock.getsockname()[1]}"
+
+    yield start
+    for server, _, _ in servers:
+        server.should_exit = True
+    for _, thread, sock in servers:
+        thread.join(10)
+        sock.close()
+
+
+def _engines(serve: Serve, role: str, n: int, **config: Any) -> list[FakeEngine]:
+    engines = [FakeEngine(f"{role[0]}{i}", role) for i in range(n)]
+    for e in engines:
+        e.url = serve(e.app(), **config)
+    return engines
+
+
+def _proxy(
+    serve: Serve, prefills: list[FakeEngine], decodes: list[FakeEngine], **kwargs: Any
+) -> httpx.Client:
+    kwargs.setdefault("timeout", 5.0)
+    kwargs.setdefault("connect_timeout", 2.0)
+    app = build_proxy_app([p.url for p in prefills], [d.url for d in decodes], **kwargs)
+    return httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False)
+
+
+@pytest.fixture
+def pd(serve: Serve) -> Iterator[tuple[httpx.Client, FakeEngine, FakeEngine]]:
+    """One prefill, one decode, a proxy in front, and a client of the proxy."""
+    (prefill,) = _engines(serve, "prefill", 1)
+    (decode,) = _engines(serve, "decode", 1)
+    with _proxy(serve, [prefill], [decode]) as client:
+        yield client, prefill, decode
+
+
+def test_prefill_then_decode_protocol(pd: tuple[httpx.Client, FakeEngine, FakeEngine]) -> None:
+    client, prefill, decode = pd
+    request = {
+        "model": "m",
+        "prompt": "Hello",
+        "max_tokens": 64,
+        "temperature": 0.0,
+        "stream": False,
+        "stream_options": {"include_usage": True},
+    }
+    r = client.post("/v1/completions", json=request)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"id": "cmpl-d0", "served_by": "d0"}
+
+    (pcall,) = prefill.calls
+    assert pcall["path"] == "/v1/completions"
+    assert pcall["body"]["max_tokens"] == 1
+    assert pcall["body"]["stream"] is False
+    assert pcall["body"]["kv_transfer_params"] == PREFILL_KV_PARAMS
+    assert "stream_options" not in pcall["body"]
+    assert {k: pcall["body"][k] for k in ("model", "prompt", "temperature")} == {
+        "model": "m",
+        "prompt": "Hello",
+        "temperature": 0.0,
+    }
+
+    # The decode gets the client's request untouched, plus exactly the prefill's KV params.
+    (dcall,) = decode.calls
+    assert dcall["path"] == "/v1/completions"
+    assert dcall["body"] == {**request, "kv_transfer_params": prefill.kv_params}
+
+    rid = pcall["headers"]["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", rid)
+    assert dcall["headers"]["x-request-id"] == rid
+    assert r.headers["x-request-id"] == rid
+
+
+def test_chat_request_id_and_authorization_forwarded(
+    pd: tuple[httpx.Client, FakeEngine, FakeEngine],
+) -> None:
+    client, prefill, decode = pd
+    request = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 50,
+        "max_completion_tokens": 50,
+    }
+    headers = {"X-Request-Id": "client-rid-42", "Authorization": "Bearer sk-test"}
+    r = client.post("/v1/chat/completions", json=request, headers=headers)
+    assert r.status_code == 200, r.text
+
+    (pcall,) = prefill.calls
+    (dcall,) = decode.calls
+    assert pcall["path"] == dcall["path"] == "/v1/chat/completions"
+    assert pcall["body"]["max_tokens"] == 1
+    assert pcall["body"]["max_completion_tokens"] == 1
+    assert dcall["body"]["max_completion_tokens"] == 50
+    for call in (pcall, dcall):
+        assert call["headers"]["x-request-id"] == "client-rid-42"
+        assert call["headers"]["authorization"] == "Bearer sk-test"
+    assert r.headers["x-request-id"] == "client-rid-42"
+
+
+def test_streaming_passthrough_in_order(pd: tuple[httpx.Client, FakeEngine, FakeEngine]) -> None:
+    client, prefill, decode = pd
+    decode.gate = threading.Event()
+    events: list[str] = []
+    try:
+        request = {"model": "m", "prompt": "Hello", "max_tokens": 8, "stream": True}
+        with client.stream("POST", "/v1/completions", json=request) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                events.append(line)
+                # Chunk 0 got here while the decode is still paused: it is relayed as it comes.
+                decode.gate.set()
+    finally:
+        decode.gate.set()
+
+    expected = [f"data: {json.dumps({'by': 'd0', 'i': i})}" for i in range(decode.n_chunks)]
+    assert events == expected + ["data: [DONE]"]
+    assert prefill.calls[0]["body"]["stream"] is False
+    assert decode.calls[0]["body"]["stream"] is True
+
+
+def test_client_disconnect_closes_decode_stream(
+    pd: tuple[httpx.Client, FakeEngine, FakeEngine],
+) -> None:
+    client, _, decode = pd
+    decode.endless = True
+    request = {"model": "m", "prompt": "Hello", "stream": True}
+    with client.stream("POST", "/v1/completions", json=request) as r:
+        first = next(line for line in r.iter_lines() if line)
+        assert first == f"data: {json.dumps({'by': 'd0', 'i': 0})}"
+    # Leaving the block drops the client connection; the proxy must hang up on the decode.
+    assert decode.stream_closed.wait(5)
+
+
+def test_round_robin_independently(serve: Serve) -> None:
+    prefills = _engines(serve, "prefill", 2)
+    decodes = _engines(serve, "decode", 2)
+    with _proxy(serve, prefills, decodes) as client:
+        served_by = []
+        for _ in range(4):
+            r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            assert r.status_code == 200, r.text
+            served_by.append(r.json()["served_by"])
+        # A failing prefill doesn't break either rotation.
+        prefills[0].fail = (503, {"error": {"message": "busy"}})
+        assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 503
+        r = client.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 200
+        served_by.append(r.json()["served_by"])
+
+    assert served_by == ["d0", "d1", "d0", "d1", "d0"]
+    assert [len(p.calls) for p in prefills] == [3, 3]
+    assert [len(d.calls) for d in decodes] == [3, 2]
+    # Each decode was told about the prefill that served the same request.
+    engine_ids = [c["body"]["kv_transfer_params"]["remote_engine_id"] for c in decodes[0].calls]
+    assert engine_ids == ["engine-p0", "engine-p0", "engine-p1"]
+    engine_ids = [c["body"]["kv_transfer_params"]["remote_engine_id"] for c in decodes[1].calls]
+    assert engine_ids == ["engine-p1", "engine-p1"]
+
+
+@pytest.mark.parametrize(
+    ("status", "payload", "reason"),
+    [
+        (
+            400,
+            {
+                "error": {
+                    "message": "prompt is too long: 9000 > 8192 tokens",
+                    "type": "BadRequestError",
+                    "param": "prompt",
+                    "code": 400,
+                }
+            },
+            "prompt is too long: 9000 > 8192 tokens",
+        ),
+        (503, "engine is draining", "engine is draining"),
+        (500, {"detail": "CUDA out of memory"}, "CUDA out of memory"),
+    ],
+)
+def test_prefill_error_reaches_client(
+    pd: tuple[httpx.Client, FakeEngine, FakeEngine], status: int, payload: Any, reason: str
+) -> None:
+    client, prefill, decode = pd
+    prefill.fail = (status, payload)
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "x" * 10})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert reason in err["message"]
+    assert prefill.url in err["message"]
+    assert err["code"] == status
+    if isinstance(payload, dict) and "error" in payload:
+        assert err["type"] == "BadRequestError"
+        assert err["param"] == "prompt"
+    assert len(prefill.calls) == 1
+    assert decode.calls == []
+
+
+def _closed_port_url() -> str:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return f"http://127.0.0.1:{port}"
+
+
+def test_dead_prefill_is_502_naming_it(serve: Serve) -> None:
+    (decode,) = _engines(serve, "decode", 1)
+    dead = FakeEngine("p0", "prefill")
+    dead.url = _closed_port_url()
+    with _proxy(serve, [dead], [decode]) as client:
+        start = time.monotonic()
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        elapsed = time.monotonic() - start
+    assert r.status_code == 502
+    assert dead.url in r.json()["error"]["message"]
+    assert elapsed < 2.0
+    assert decode.calls == []
+
+
+def test_slow_prefill_times_out_with_504(serve: Serve) -> None:
+    (prefill,) = _engines(serve, "prefill", 1)
+    (decode,) = _engines(serve, "decode", 1)
+    prefill.hold = threading.Event()
+    try:
+        with _proxy(serve, [prefill], [decode], timeout=0.5) as client:
+            start = time.monotonic()
+            r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            elapsed = time.monotonic() - start
+    finally:
+        prefill.hold.set()
+    assert r.status_code == 504
+    assert prefill.url in r.json()["error"]["message"]
+    assert elapsed < 3.0
+    assert decode.calls == []
+
+
+def test_missing_kv_params_still_decodes(
+    pd: tuple[httpx.Client, FakeEngine, FakeEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    client, prefill, decode = pd
+    prefill.kv_params = None
+    caplog.set_level(logging.WARNING, logger="kvbridge.server.proxy")
+    # A stale kv_transfer_params from the client must not reach the decode either.
+    request = {"model": "m", "prompt": "x", "kv_transfer_params": {"remote_host": "stale"}}
+    r = client.post("/v1/completions", json=request)
+    assert r.status_code == 200, r.text
+    (dcall,) = decode.calls
+    assert dcall["body"] == {"model": "m", "prompt": "x"}
+    assert any("kv_transfer_params" in rec.getMessage() for rec in caplog.records)
+
+
+def test_decode_status_and_body_passed_through(
+    pd: tuple[httpx.Client, FakeEngine, FakeEngine],
+) -> None:
+    client, _, decode = pd
+    error = {"error": {"message": "bad", "type": "BadRequestError", "param": None, "code": 422}}
+    decode.fail = (422, error)
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 422
+    assert r.json() == error
+
+
+def test_bad_json_is_400_without_calling_engines(
+    pd: tuple[httpx.Client, FakeEngine, FakeEngine],
+) -> None:
+    client, prefill, decode = pd
+    r = client.post("/v1/completions", content=b"{not json")
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = client.post("/v1/completions", json=["a", "list"])
+    assert r.status_code == 400
+    assert prefill.calls == [] and decode.calls == []
+
+
+def test_models_and_health(serve: Serve) -> None:
+    (prefill,) = _engines(serve, "prefill", 1)
+    decodes = _engines(serve, "decode", 2)
+    with _proxy(serve, [prefill], decodes) as client:
+        r = client.get("/v1/models", headers={"Authorization": "Bearer sk-test"})
+        assert r.status_code == 200
+        assert r.json()["data"][0]["owned_by"] == "d0"
+        assert decodes[0].calls[0]["headers"]["authorization"] == "Bearer sk-test"
+        assert decodes[1].calls == []
+
+        assert client.get("/health").json() == {"status": "ok"}
+        r = client.get("/healthz/backends")
+        assert r.status_code == 200
+        body = r.json()
+        assert [b["url"] for b in body["prefill"]] == [prefill.url]
+        assert [b["url"] for b in body["decode"]] == [d.url for d in decodes]
+        assert all(b["ok"] and b["status"] == 200 for b in body["prefill"] + body["decode"])
+
+    dead = _closed_port_url()
+    app = build_proxy_app([prefill.url], [dead], connect_timeout=2.0)
+    with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
+        r = client.get("/healthz/backends")
+        assert r.status_code == 503
+        body = r.json()
+        assert body["status"] == "degraded"
+        assert body["prefill"][0]["ok"] is True
+        assert body["decode"][0] == {
+            "url": dead,
+            "ok": False,
+            "status": None,
+            "error": body["decode"][0]["error"],
+        }
+        assert body["decode"][0]["error"]
+        assert client.get("/v1/models").status_code == 502
+
+
+def test_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        build_proxy_app([], ["http://127.0.0.1:1"])
+    with pytest.raises(ConfigError):
+        build_proxy_app(["127.0.0.1:1"], ["http://127.0.0.1:1"])
+    with pytest.raises(ConfigError):
+        build_proxy_app(
+            ["http://127.0.0.1:1"], ["http://127.0.0.1:1"], ca_certs=str(tmp_path / "nope.pem")
+        )
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = ca.issue_cert("proxy.kvbridge.test")
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    trustme.CA().cert_pem.write_to_path(str(d / "other-ca.pem"))
+    server.private_key_and_cert_chain_pem.write_to_path(str(d / "server.pem"))
+    client.cert_chain_pems[0].write_to_path(str(d / "client.crt"))
+    client.private_key_pem.write_to_path(str(d / "client.key"))
+    return {
+        name: str(d / name)
+        for name in ("ca.pem", "other-ca.pem", "server.pem", "client.crt", "client.key")
+    }
+
+
+def test_tls_to_engines(serve: Serve, tls_files: dict[str, str]) -> None:
+    (prefill,) = _engines(serve, "prefill", 1, ssl_certfile=tls_files["server.pem"])
+    (decode,) = _engines(serve, "decode", 1, ssl_certfile=tls_files["server.pem"])
+    assert prefill.url.startswith("https://") and decode.url.startswith("https://")
+    request = {"model": "m", "prompt": "x"}
+
+    with _proxy(serve, [prefill], [decode], ca_certs=tls_files["ca.pem"]) as client:
+        r = client.post("/v1/completions", json=request)
+    assert r.status_code == 200, r.text
+    assert r.json()["served_by"] == "d0"
+    assert decode.calls[0]["body"]["kv_transfer_params"] == prefill.kv_params
+
+    # A CA that did not sign the engine's certificate: refused, and said so.
+    with _proxy(serve, [prefill], [decode], ca_certs=tls_files["other-ca.pem"]) as client:
+        r = client.post("/v1/completions", json=request)
+    assert r.status_code == 502
+    message = r.json()["error"]["message"]
+    assert prefill.url in message
+    assert "CERTIFICATE_VERIFY_FAILED" in message
+    assert len(prefill.calls) == 1 and len(decode.calls) == 1
+
+
+def test_mtls_to_engines(serve: Serve, tls_files: dict[str, str]) -> None:
+    mtls = {
+        "ssl_certfile": tls_files["server.pem"],
+        "ssl_ca_certs": tls_files["ca.pem"],
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+    }
+    (prefill,) = _engines(serve, "prefill", 1, **mtls)
+    (decode,) = _engines(serve, "decode", 1, **mtls)
+    request = {"model": "m", "prompt": "x"}
+
+    client_cert = (tls_files["client.crt"], tls_files["client.key"])
+    kwargs = {"ca_certs": tls_files["ca.pem"], "client_cert": client_cert}
+    with _proxy(serve, [prefill], [decode], **kwargs) as client:
+        r = client.post("/v1/completions", json=request)
+    assert r.status_code == 200, r.text
+    assert len(prefill.calls) == 1 and len(decode.calls) == 1
+
+    # Without a client certificate the engine hangs up.
+    with _proxy(serve, [prefill], [decode], ca_certs=tls_files["ca.pem"]) as client:
+        r = client.post("/v1/completions", json=request)
+    assert r.status_code == 502
+    assert prefill.url in r.json()["error"]["message"]
+    assert len(prefill.calls) == 1 and len(decode.calls) == 1
