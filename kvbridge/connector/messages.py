@@ -1,0 +1,54 @@
+"""What the head and the workers tell each other each step (pickled, in-process only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Read a request's KV from a remote prefill into local blocks."""
+
+    request_id: str
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_request_id: str
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+    remote_epoch: str | None
+    method: str
+
+
+@dataclass
+class WorkerMeta:
+    loads: list[LoadSpec] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+
+
+@dataclass
+class WorkerOutput:
+    """One worker's news for one step; a worker with no news returns ``None`` instead."""
+
+    tp_rank: int
+    loaded: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    # (remote request id, decode rank, decode tp size) of READs that finished on our blocks
+    notified: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.loaded or self.failed or self.notified)
+
+
+def encode_notif(remote_request_id: str, tp_rank: int, tp_size: int) -> bytes:
+    return f"{remote_request_id}|{tp_rank}|{tp_size}".encode()
+
+
+def decode_notif(msg: bytes) -> tuple[str, int, int] | None:
+    """None for a message that is not ours (malformed notes are ignored, not fatal)."""
+    try:
+        rid, rank, size = msg.decode().rsplit("|", 2)
+        return rid, int(rank), int(size)
+    except ValueError:
+        return None

@@ -1,0 +1,192 @@
+"""Scheduler side of the NIXL connector (head process): ``kv_transfer_params`` in and out,
+leases on held blocks, which requests wait for remote KV, and the side channel.
+
+Prefill: a request with ``do_remote_decode`` keeps its blocks after it finishes,
+under a lease, and answers with the params a decode needs to read them. The
+blocks are released when every consuming decode rank has notified, or when the
+lease expires.
+
+Decode: a request with ``do_remote_prefill`` and remote block ids waits for its
+KV; the workers handshake and READ; the aggregated result tells the engine to
+continue from the transferred KV or to apply its failure policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.config import SideChannelConfig
+from kvbridge.connector.aggregator import LoadAggregator, SendAggregator
+from kvbridge.connector.base import ConnectorUpdate
+from kvbridge.connector.messages import LoadSpec, WorkerMeta, WorkerOutput
+from kvbridge.handshake import HandshakeServer, MetadataStore, make_server
+from kvbridge.metadata import Compat, decode_rank
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_SECONDS = 30.0
+
+
+@dataclass
+class TransferStats:
+    """Counters the serving layer reports (demo table, metrics)."""
+
+    loads_ok: int = 0
+    loads_failed: int = 0
+    blocks_loaded: int = 0
+    bytes_loaded: int = 0
+    held: int = 0
+    released_by_notif: int = 0
+    leases_expired: int = 0
+    # (request id, blocks, seconds) of the latest loads, for reports
+    recent_loads: deque[tuple[str, int, float]] = field(default_factory=lambda: deque(maxlen=256))
+
+
+class NixlSchedulerConnector:
+    """Implements ``kvbridge.connector.base.SchedulerConnector``."""
+
+    def __init__(self, *, engine_id: str, epoch: str, tp_size: int, total_kv_heads: int,
+                 block_bytes: int, side_channel: SideChannelConfig,
+                 lease_seconds: float = DEFAULT_LEASE_SECONDS):
+        self.engine_id = engine_id
+        self.epoch = epoch
+        self.tp_size = tp_size
+        self.block_bytes = block_bytes  # one block, all layers, all ranks: for the stats
+        self.side_channel = side_channel
+        self.lease_seconds = lease_seconds
+        self.stats = TransferStats()
+        self._loads = LoadAggregator(tp_size)
+        self._sends = SendAggregator(tp_size, total_kv_heads)
+        self._want: dict[str, dict[str, Any]] = {}       # decode: params of requests awaiting KV
+        self._new_loads: list[LoadSpec] = []
+        self._cancelled: list[str] = []
+        self._load_started: dict[str, float] = {}
+        self._load_blocks: dict[str, int] = {}
+        self._leases: dict[str, float] = {}               # prefill: request id -> lease deadline
+        self.server: HandshakeServer | None = None
+        self.store: MetadataStore | None = None
+
+    # -- side channel ----------------------------------------------------------------------
+
+    def start_side_channel(self, compat: Compat, worker_metadata: list[bytes]) -> HandshakeServer:
+        """Serve every worker's metadata (gathered by the head) on one port."""
+        self.store = MetadataStore(compat, self.tp_size)
+        for raw in worker_metadata:
+            meta = decode_rank(raw)
+            if meta.engine_id != self.engine_id or meta.epoch != self.epoch:
+                raise ValueError(f"worker {meta.tp_rank} reports engine {meta.engine_id} "
+                                 f"epoch {meta.epoch}, expected {self.engine_id} {self.epoch}")
+            self.store.set_rank(meta)
+        self.server = make_server(self.side_channel, self.store)
+        self.server.start()
+        return self.server
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    # -- SchedulerConnector ------------------------------------------------------------------
+
+    def num_remote_tokens(self, request_id: str, prompt_ids: list[int],
+                          kv_transfer_params: dict[str, Any] | None) -> int:
+        p = kv_transfer_params or {}
+        if not p.get("do_remote_prefill") or not p.get("remote_block_ids"):
+            return 0
+        self._want[request_id] = p
+        return len(prompt_ids)
+
+    def on_blocks_allocated(self, request_id: str, block_ids: list[int]) -> None:
+        p = self._want.pop(request_id, None)
+        if p is None:
+            return
+        remote = list(p["remote_block_ids"])
+        n = min(len(remote), len(block_ids))
+        self._new_loads.append(LoadSpec(
+            request_id=request_id, local_block_ids=list(block_ids[:n]),
+            remote_block_ids=remote[:n],
+            remote_request_id=str(p.get("remote_request_id") or request_id),
+            remote_engine_id=str(p["remote_engine_id"]), remote_host=str(p["remote_host"]),
+            remote_port=int(p["remote_port"]), remote_tp_size=int(p.get("tp_size") or 1),
+            remote_epoch=p.get("remote_epoch"),
+            method=str(p.get("handshake_method") or self.side_channel.handshake_method)))
+        self._loads.expect(request_id)
+        self._load_started[request_id] = time.monotonic()
+        self._load_blocks[request_id] = n
+
+    def build_worker_meta(self) -> WorkerMeta:
+        meta = WorkerMeta(self._new_loads, self._cancelled)
+        self._new_loads, self._cancelled = [], []
+        return meta
+
+    def update(self, worker_outputs: list[Any | None]) -> ConnectorUpdate:
+        out = ConnectorUpdate()
+        for wo in worker_outputs:
+            if wo is None:
+                continue  # this worker had nothing to say this step
+            assert isinstance(wo, WorkerOutput)
+            for rid, err in self._loads.fold(wo.loaded, wo.failed).items():
+                out.loaded[rid] = err
+                self._record_load(rid, err)
+            done = self._sends.fold(wo.tp_rank, wo.notified, self._leases)
+            for remote_rid in done:
+                out.released.add(self._release(remote_rid))
+                self.stats.released_by_notif += 1
+        now = time.monotonic()
+        for remote_rid in [r for r, t in self._leases.items() if t <= now]:
+            log.warning("lease of request %s expired before every decode rank read it",
+                        remote_rid)
+            self._sends.forget(remote_rid)
+            out.released.add(self._release(remote_rid))
+            self.stats.leases_expired += 1
+        return out
+
+    def on_finished(self, request_id: str, block_ids: list[int],
+                    kv_transfer_params: dict[str, Any] | None):
+        if request_id in self._want or request_id in self._load_started:
+            # finished (aborted) while its load was in flight: workers drop it
+            self._want.pop(request_id, None)
+            self._loads.forget(request_id)
+            self._load_started.pop(request_id, None)
+            self._load_blocks.pop(request_id, None)
+            self._cancelled.append(request_id)
+        p = kv_transfer_params or {}
+        if not p.get("do_remote_decode") or not block_ids:
+            return False, None
+        self._leases[request_id] = time.monotonic() + self.lease_seconds
+        self.stats.held += 1
+        port = self.server.port if self.server is not None else self.side_channel.side_channel_port
+        return True, {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": self.engine_id, "remote_block_ids": list(block_ids),
+            "remote_request_id": request_id, "remote_host": self.side_channel.advertised,
+            "remote_port": port, "tp_size": self.tp_size,
+            # ours, beyond vLLM's names:
+            "remote_epoch": self.epoch, "handshake_method": self.side_channel.handshake_method,
+        }
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    @property
+    def num_held(self) -> int:
+        return len(self._leases)
+
+    def _release(self, request_id: str) -> str:
+        del self._leases[request_id]
+        return request_id
+
+    def _record_load(self, rid: str, err: str | None) -> None:
+        started = self._load_started.pop(rid, time.monotonic())
+        blocks = self._load_blocks.pop(rid, 0)
+        if err is None:
+            self.stats.loads_ok += 1
+            self.stats.blocks_loaded += blocks
+            self.stats.bytes_loaded += blocks * self.block_bytes
+            self.stats.recent_loads.append((rid, blocks, time.monotonic() - started))
+        else:
+            self.stats.loads_failed += 1
+            log.warning("KV load of request %s failed: %s", rid, err)
