@@ -183,10 +183,18 @@ def _coerce(values: dict[str, Any]) -> dict[str, Any]:
                 out[k] = int(out[k])
     except ValueError as e:
         raise ConfigError(f"bad setting value: {e}") from None
-    if "ssl_cert_reqs" in out and not isinstance(out["ssl_cert_reqs"], int):
-        key = str(out["ssl_cert_reqs"]).strip().lower().removeprefix("cert_")
-        if key not in _CERT_REQS:
-            raise ConfigError(f"ssl_cert_reqs {out['ssl_cert_reqs']!r}: use none, optional or "
-                              "required (or 0, 1, 2)")
-        out["ssl_cert_reqs"] = int(_CERT_REQS[key])
+    if "ssl_cert_reqs" in out:
+        out["ssl_cert_reqs"] = parse_cert_reqs(out["ssl_cert_reqs"])
     return out
+
+
+def parse_cert_reqs(value: str | int | None) -> int:
+    """uvicorn's ``ssl_cert_reqs``: none/optional/required (or 0/1/2) -> ``ssl.VerifyMode``."""
+    if value is None:
+        return int(ssl.CERT_NONE)
+    if isinstance(value, int):
+        return value
+    key = str(value).strip().lower().removeprefix("cert_")
+    if key not in _CERT_REQS:
+        raise ConfigError(f"ssl_cert_reqs {value!r}: use none, optional or required (or 0, 1, 2)")
+    return int(_CERT_REQS[key])

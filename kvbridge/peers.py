@@ -27,6 +27,16 @@ from kvbridge.transfer import NixlAgent, RemoteRank
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class HandshakeEvent:
+    """One finished handshake, for metrics: outcome "ok" or the error class name."""
+
+    engine_id: str
+    method: str
+    seconds: float
+    outcome: str
+
+
 @dataclass
 class Peer:
     """A remote instance as one local rank sees it."""
@@ -53,6 +63,7 @@ class PeerManager:
         self._client_for = client_for
         self._lock = threading.Lock()
         self._peers: dict[str, Future[Peer]] = {}
+        self._events: list[HandshakeEvent] = []
         # Two pools: a handshake waits on its rank fetches, which must not queue behind it.
         self._handshakes = ThreadPoolExecutor(max_parallel, thread_name_prefix="kvbridge-hs")
         self._fetches = ThreadPoolExecutor(max_parallel, thread_name_prefix="kvbridge-fetch")
@@ -74,7 +85,7 @@ class PeerManager:
                     stale, fut = peer, None
                     del self._peers[engine_id]
             if fut is None:
-                fut = self._handshakes.submit(self._handshake, engine_id, host, port, remote_tp,
+                fut = self._handshakes.submit(self._timed, engine_id, host, port, remote_tp,
                                               method)
                 self._peers[engine_id] = fut
         if stale is not None:
@@ -97,6 +108,25 @@ class PeerManager:
         for fut in futs:
             if fut.done() and not fut.exception():
                 self._disconnect(fut.result())
+
+    def drain_events(self) -> list[HandshakeEvent]:
+        """Handshakes finished since the last call."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def _timed(self, engine_id: str, host: str, port: int, remote_tp: int, method: str) -> Peer:
+        t0 = time.monotonic()
+        outcome = "ok"
+        try:
+            return self._handshake(engine_id, host, port, remote_tp, method)
+        except Exception as e:
+            outcome = type(e).__name__
+            raise
+        finally:
+            with self._lock:
+                self._events.append(HandshakeEvent(engine_id, method, time.monotonic() - t0,
+                                                   outcome))
 
     def _handshake(self, engine_id: str, host: str, port: int, remote_tp: int,
                    method: str) -> Peer:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.config import SideChannelConfig
@@ -25,25 +23,11 @@ from kvbridge.connector.base import ConnectorUpdate
 from kvbridge.connector.messages import LoadSpec, WorkerMeta, WorkerOutput
 from kvbridge.handshake import HandshakeServer, MetadataStore, make_server
 from kvbridge.metadata import Compat, decode_rank
+from kvbridge.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_SECONDS = 30.0
-
-
-@dataclass
-class TransferStats:
-    """Counters the serving layer reports (demo table, metrics)."""
-
-    loads_ok: int = 0
-    loads_failed: int = 0
-    blocks_loaded: int = 0
-    bytes_loaded: int = 0
-    held: int = 0
-    released_by_notif: int = 0
-    leases_expired: int = 0
-    # (request id, blocks, seconds) of the latest loads, for reports
-    recent_loads: deque[tuple[str, int, float]] = field(default_factory=lambda: deque(maxlen=256))
 
 
 class NixlSchedulerConnector:
@@ -51,14 +35,14 @@ class NixlSchedulerConnector:
 
     def __init__(self, *, engine_id: str, epoch: str, tp_size: int, total_kv_heads: int,
                  block_bytes: int, side_channel: SideChannelConfig,
-                 lease_seconds: float = DEFAULT_LEASE_SECONDS):
+                 lease_seconds: float = DEFAULT_LEASE_SECONDS, metrics: Metrics | None = None):
         self.engine_id = engine_id
         self.epoch = epoch
         self.tp_size = tp_size
         self.block_bytes = block_bytes  # one block, all layers, all ranks: for the stats
         self.side_channel = side_channel
         self.lease_seconds = lease_seconds
-        self.stats = TransferStats()
+        self.metrics = metrics or Metrics()
         self._loads = LoadAggregator(tp_size)
         self._sends = SendAggregator(tp_size, total_kv_heads)
         self._want: dict[str, dict[str, Any]] = {}       # decode: params of requests awaiting KV
@@ -129,20 +113,22 @@ class NixlSchedulerConnector:
             if wo is None:
                 continue  # this worker had nothing to say this step
             assert isinstance(wo, WorkerOutput)
+            for method, seconds, outcome in wo.handshakes:
+                self.metrics.handshake_seconds.labels(method, outcome).observe(seconds)
             for rid, err in self._loads.fold(wo.loaded, wo.failed).items():
                 out.loaded[rid] = err
                 self._record_load(rid, err)
             done = self._sends.fold(wo.tp_rank, wo.notified, self._leases)
             for remote_rid in done:
                 out.released.add(self._release(remote_rid))
-                self.stats.released_by_notif += 1
+                self.metrics.held_released.labels("read").inc()
         now = time.monotonic()
         for remote_rid in [r for r, t in self._leases.items() if t <= now]:
             log.warning("lease of request %s expired before every decode rank read it",
                         remote_rid)
             self._sends.forget(remote_rid)
             out.released.add(self._release(remote_rid))
-            self.stats.leases_expired += 1
+            self.metrics.held_released.labels("lease_expired").inc()
         return out
 
     def on_finished(self, request_id: str, block_ids: list[int],
@@ -158,7 +144,7 @@ class NixlSchedulerConnector:
         if not p.get("do_remote_decode") or not block_ids:
             return False, None
         self._leases[request_id] = time.monotonic() + self.lease_seconds
-        self.stats.held += 1
+        self.metrics.held_requests.inc()
         port = self.server.port if self.server is not None else self.side_channel.side_channel_port
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,
@@ -177,16 +163,17 @@ class NixlSchedulerConnector:
 
     def _release(self, request_id: str) -> str:
         del self._leases[request_id]
+        self.metrics.held_requests.dec()
         return request_id
 
     def _record_load(self, rid: str, err: str | None) -> None:
         started = self._load_started.pop(rid, time.monotonic())
         blocks = self._load_blocks.pop(rid, 0)
         if err is None:
-            self.stats.loads_ok += 1
-            self.stats.blocks_loaded += blocks
-            self.stats.bytes_loaded += blocks * self.block_bytes
-            self.stats.recent_loads.append((rid, blocks, time.monotonic() - started))
+            self.metrics.kv_loads.labels("ok").inc()
+            self.metrics.kv_blocks_loaded.inc(blocks)
+            self.metrics.kv_bytes_loaded.inc(blocks * self.block_bytes)
+            self.metrics.kv_load_seconds.observe(time.monotonic() - started)
         else:
-            self.stats.loads_failed += 1
+            self.metrics.kv_loads.labels("failed").inc()
             log.warning("KV load of request %s failed: %s", rid, err)

@@ -100,6 +100,7 @@ class NixlWorkerConnector:
             elif err is not None:
                 out.failed[rid] = err
                 del self._loads[rid]
+        out.handshakes = [(e.method, e.seconds, e.outcome) for e in self.peers.drain_events()]
         for msgs in self.agent.notifications().values():
             for msg in msgs:
                 note = decode_notif(msg)

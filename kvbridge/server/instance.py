@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from kvbridge.config import SideChannelConfig, TLSConfig
 from kvbridge.connector.scheduler import DEFAULT_LEASE_SECONDS, NixlSchedulerConnector
@@ -22,6 +25,7 @@ from kvbridge.connector.worker import DEFAULT_TRANSFER_TIMEOUT, NixlWorkerConnec
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.engine import build_engine
 from kvbridge.metadata import compat_of, decode_rank
+from kvbridge.metrics import CONTENT_TYPE, Metrics
 from kvbridge.model.loader import load_config
 from kvbridge.server.api import build_app
 
@@ -73,11 +77,12 @@ class Instance:
         cfg = load_config(opts.model)
         self.model_name = opts.served_model_name or model_identity(opts.model)
         identity = model_identity(opts.model)
+        self.metrics = Metrics()
         self.connector = NixlSchedulerConnector(
             engine_id=self.engine_id, epoch=self.epoch, tp_size=opts.tp_size,
             total_kv_heads=cfg.num_key_value_heads,
             block_bytes=_block_bytes(cfg, opts), side_channel=opts.side_channel,
-            lease_seconds=opts.lease_seconds)
+            lease_seconds=opts.lease_seconds, metrics=self.metrics)
         factory = NixlWorkerConnectorFactory(
             engine_id=self.engine_id, epoch=self.epoch, model=identity,
             total_kv_heads=cfg.num_key_value_heads, side_channel=opts.side_channel,
@@ -98,12 +103,17 @@ class Instance:
             engine.shutdown()
             self.connector.close()
             raise
+        self.metrics.track_blocks(lambda: engine.num_free_blocks, engine.num_blocks)
         self.engine = AsyncEngine(engine)
         self.app: Starlette = build_app(self.engine, self.model_name)
+        self.app.router.routes.append(Route("/metrics", self._metrics, methods=["GET"]))
 
     @property
     def side_channel_port(self) -> int | None:
         return None if self.connector.server is None else self.connector.server.port
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     def shutdown(self) -> None:
         self.connector.close()

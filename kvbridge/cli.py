@@ -1,0 +1,168 @@
+"""The ``kvbridge`` command: ``serve``, ``proxy``, ``demo``.
+
+Flags win over environment variables (``KVBRIDGE_*``, or the vLLM names as
+aliases), which win over defaults; every setting is printed once at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvbridge import __version__
+from kvbridge.config import SideChannelConfig, TLSConfig, parse_cert_reqs
+from kvbridge.errors import ConfigError
+
+
+def _side_channel_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("side channel (env: KVBRIDGE_* or the VLLM_NIXL_* aliases)")
+    g.add_argument("--handshake", dest="handshake_method", choices=["zmq", "http"],
+                   help="handshake method (KVBRIDGE_HANDSHAKE_METHOD; default zmq)")
+    g.add_argument("--handshake-timeout", type=float,
+                   help="seconds one handshake may take in total (default 10)")
+    g.add_argument("--side-channel-host", help="address the side channel binds (default 127.0.0.1)")
+    g.add_argument("--side-channel-port", type=int, help="side-channel port (default 5600)")
+    g.add_argument("--advertise-host",
+                   help="address peers are told to reach the side channel at (default: bind host)")
+    g.add_argument("--side-channel-token-file", dest="token_file",
+                   help="file (mode 600) holding the shared bearer token")
+    g.add_argument("--side-channel-ssl-certfile", help="own TLS cert (default: the API's)")
+    g.add_argument("--side-channel-ssl-keyfile")
+    g.add_argument("--side-channel-ssl-ca-certs")
+    g.add_argument("--side-channel-ssl-cert-reqs")
+
+
+def _tls_flags(p: argparse.ArgumentParser, what: str) -> None:
+    g = p.add_argument_group(f"TLS of the {what} (uvicorn-style)")
+    g.add_argument("--ssl-certfile")
+    g.add_argument("--ssl-keyfile")
+    g.add_argument("--ssl-ca-certs", help="CA bundle: verifies peers (and client certificates)")
+    g.add_argument("--ssl-cert-reqs", default=None,
+                   help="client certificates: none, optional or required")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvbridge", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"kvbridge {__version__}")
+    p.add_argument("--log-level", default="info")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run an engine (prefill, decode or both) with its API")
+    s.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel size (worker processes)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model", help="local Hugging Face Llama checkpoint dir (default: built-in tiny)")
+    s.add_argument("--served-model-name")
+    s.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    s.add_argument("--num-blocks", type=int, default=256)
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--engine-id", help="stable id of this instance (default: random)")
+    s.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="recompute")
+    s.add_argument("--kv-lease-seconds", type=float, default=30.0,
+                   help="prefill: free held blocks after this long even if unread")
+    s.add_argument("--transfer-timeout", type=float, default=30.0,
+                   help="decode: seconds a started READ may take")
+    _side_channel_flags(s)
+    _tls_flags(s, "API server (the side channel uses them too unless given its own)")
+
+    x = sub.add_parser("proxy", help="OpenAI-compatible proxy: prefill, then decode")
+    x.add_argument("--prefill", nargs="+", required=True, metavar="URL")
+    x.add_argument("--decode", nargs="+", required=True, metavar="URL")
+    x.add_argument("--host", default="127.0.0.1")
+    x.add_argument("--port", type=int, default=8000)
+    x.add_argument("--ca-certs", help="CA bundle to verify https engines")
+    x.add_argument("--client-cert", nargs=2, metavar=("CERT", "KEY"),
+                   help="client certificate for engines that require one")
+    x.add_argument("--timeout", type=float, default=300.0)
+
+    d = sub.add_parser("demo", help="prefill (TP 1) + decode (TP 2) + proxy over TLS, a few prompts")
+    d.add_argument("--prompts", nargs="*", help="prompts to send (default: a few built-in)")
+    d.add_argument("--max-tokens", type=int, default=24)
+    d.add_argument("--decode-tp", type=int, default=2)
+    d.add_argument("--handshake", choices=["zmq", "http"], default="http")
+    return p
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvbridge.server.api import run_server
+    from kvbridge.server.instance import Instance, InstanceOptions
+
+    api_tls = TLSConfig(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs,
+                        parse_cert_reqs(args.ssl_cert_reqs))
+    own = args.side_channel_ssl_certfile is not None
+    flags = {k: getattr(args, k) for k in ("handshake_method", "handshake_timeout",
+                                           "side_channel_host", "side_channel_port",
+                                           "advertise_host", "token_file")}
+    # As in the seed: the side channel reuses the API server's TLS unless given its own.
+    flags.update(
+        ssl_certfile=args.side_channel_ssl_certfile if own else args.ssl_certfile,
+        ssl_keyfile=args.side_channel_ssl_keyfile if own else args.ssl_keyfile,
+        ssl_ca_certs=args.side_channel_ssl_ca_certs or args.ssl_ca_certs,
+        ssl_cert_reqs=args.side_channel_ssl_cert_reqs if own else args.ssl_cert_reqs)
+    side = SideChannelConfig.load(flags)
+    opts = InstanceOptions(
+        role=args.role, tp_size=args.tp, model=args.model, dtype=args.dtype,
+        num_blocks=args.num_blocks, block_size=args.block_size,
+        kv_load_failure_policy=args.kv_load_failure_policy, lease_seconds=args.kv_lease_seconds,
+        transfer_timeout=args.transfer_timeout, engine_id=args.engine_id,
+        served_model_name=args.served_model_name, side_channel=side, api_tls=api_tls)
+    _print_settings("serve", [f"role={opts.role}", f"tp={opts.tp_size}",
+                              f"model={opts.model or 'built-in tiny'}", f"dtype={opts.dtype}",
+                              f"api=https://{args.host}:{args.port}" if api_tls.enabled
+                              else f"api=http://{args.host}:{args.port}",
+                              f"kv_load_failure_policy={opts.kv_load_failure_policy}",
+                              *side.describe()])
+    inst = Instance(opts)
+    try:
+        if inst.side_channel_port is not None:
+            print(f"kvbridge serve: side channel {side.handshake_method} on "
+                  f"{side.side_channel_host}:{inst.side_channel_port} "
+                  f"(advertised {side.advertised}), engine {inst.engine_id}", file=sys.stderr,
+                  flush=True)
+        run_server(inst.app, args.host, args.port, ssl_certfile=api_tls.certfile,
+                   ssl_keyfile=api_tls.keyfile, ssl_ca_certs=api_tls.ca_certs,
+                   ssl_cert_reqs=api_tls.cert_reqs, log_level=args.log_level)
+    finally:
+        inst.shutdown()
+    return 0
+
+
+def _proxy(args: argparse.Namespace) -> int:
+    from kvbridge.server.proxy import run_proxy
+
+    run_proxy(args.prefill, args.decode, host=args.host, port=args.port, ca_certs=args.ca_certs,
+              client_cert=tuple(args.client_cert) if args.client_cert else None,
+              timeout=args.timeout, log_level=args.log_level)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvbridge.demo import run_demo
+
+    return run_demo(prompts=args.prompts, max_tokens=args.max_tokens, decode_tp=args.decode_tp,
+                    handshake=args.handshake)
+
+
+def _print_settings(command: str, lines: Sequence[str]) -> None:
+    print(f"kvbridge {command} {__version__}: " + " ".join(lines), file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        return {"serve": _serve, "proxy": _proxy, "demo": _demo}[args.command](args)
+    except ConfigError as e:
+        print(f"kvbridge {args.command}: configuration error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
