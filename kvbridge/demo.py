@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -139,7 +140,8 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 24, decode_tp: 
         print(f"kvbridge demo: prefill TP 1 on :{pp}, decode TP {decode_tp} on :{dp}, "
               f"proxy on :{xp}; {handshake} handshake on :{sp}"
               f"{' over TLS' if handshake == 'http' else ''} with a token", flush=True)
-        with _processes(tmp) as procs, httpx.Client(verify=str(tmp / "ca.pem")) as client:
+        ca = ssl.create_default_context(cafile=str(tmp / "ca.pem"))
+        with _processes(tmp) as procs, httpx.Client(verify=ca) as client:
             prefill = _start(procs, tmp, "prefill", "serve", "--role", "prefill", "--port",
                              str(pp), "--side-channel-port", str(sp), *side, *tls)
             decode = _start(procs, tmp, "decode", "serve", "--role", "decode", "--tp",

@@ -1,0 +1,165 @@
+"""The seed's test plan for real: prefill and decode ``kvbridge serve`` processes at
+different TP sizes, a proxy, and a client; greedy output must equal a single
+``--role both`` engine's, and no KV block may leak.
+
+All engines run the built-in tiny model in float64, so TP sizes that differ
+round differently only far below what could flip a greedy token.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvbridge.server.api import BackgroundServer
+from kvbridge.server.proxy import build_proxy_app
+from tests.e2e.conftest import Serve, start_all
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun.",
+    "KV blocks travel from prefill to decode over NIXL; the side channel tells where.",
+    "short",
+]
+MAX_TOKENS = 10
+CONFIGS = [(1, 1), (1, 2), (2, 1), (2, 2)]
+
+
+@pytest.fixture(scope="module")
+def cluster(certs, token_file, serve_log_dir) -> Iterator[dict[str, Serve]]:
+    side = ("--side-channel-port", "0", "--side-channel-token-file", str(token_file),
+            "--handshake-timeout", "5")
+    specs: dict[str, tuple[tuple[str, ...], object]] = {
+        "ref": (("--role", "both"), certs)}
+    for tp in (1, 2):
+        for method in ("http", "zmq"):
+            specs[f"p{tp}-{method}"] = (("--role", "prefill", "--tp", str(tp),
+                                         "--handshake", method, *side), certs)
+        specs[f"d{tp}"] = (("--role", "decode", "--tp", str(tp), *side), certs)
+    specs["d1-fail"] = (("--role", "decode", "--kv-load-failure-policy", "fail", *side), certs)
+    yield from start_all(specs, serve_log_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster) -> dict[str, str]:
+    ref = cluster["ref"]
+    return {p: _complete(ref.url, p, verify=ref.verify) for p in PROMPTS}
+
+
+def _complete(url: str, prompt: str, *, verify=True, stream: bool = False,
+              **extra) -> str:
+    body = {"model": "kvbridge-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": stream, **extra}
+    with httpx.Client(verify=verify, timeout=60) as c:
+        if not stream:
+            r = c.post(url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        text = []
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+        return "".join(text)
+
+
+def _proxy(cluster, certs, prefill: str, decode: str) -> BackgroundServer:
+    app = build_proxy_app([cluster[prefill].url], [cluster[decode].url],
+                          ca_certs=str(certs / "ca.pem"))
+    return BackgroundServer(app)
+
+
+def _wait_blocks_back(engines: list[Serve], start: dict[str, float]) -> None:
+    """Prefill frees its held blocks when decode's READ notifications arrive, a moment
+    after the answer: wait for that condition (bounded), then compare."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if all(e.metric("kvbridge_blocks_free") == start[e.name] for e in engines):
+            return
+        time.sleep(0.05)
+    assert {e.name: e.metric("kvbridge_blocks_free") for e in engines} == start
+
+
+@pytest.mark.parametrize("method", ["http", "zmq"])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), CONFIGS)
+def test_pd_matches_single_engine(cluster, reference, certs, method, prefill_tp, decode_tp):
+    p, d = cluster[f"p{prefill_tp}-{method}"], cluster[f"d{decode_tp}"]
+    start = {e.name: e.metric("kvbridge_blocks_free") for e in (p, d)}
+    loads = d.metric("kvbridge_kv_loads_total")
+    with _proxy(cluster, certs, p.name, d.name) as proxy:
+        for i, prompt in enumerate(PROMPTS):
+            got = _complete(proxy.url, prompt, stream=bool(i % 2))
+            assert got == reference[prompt], (prompt, got)
+    # every request's KV came over NIXL (none recomputed)
+    assert d.metric("kvbridge_kv_loads_total") - loads == len(PROMPTS)
+    assert d.metric('kvbridge_kv_loads_total{outcome="failed"}') == 0
+    _wait_blocks_back([p, d], start)
+
+
+def test_concurrent_requests(cluster, reference, certs):
+    p, d = cluster["p2-http"], cluster["d2"]
+    start = {e.name: e.metric("kvbridge_blocks_free") for e in (p, d)}
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(12)]
+    with _proxy(cluster, certs, p.name, d.name) as proxy, cf.ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(lambda ip: _complete(proxy.url, ip[1], stream=bool(ip[0] % 2)),
+                            enumerate(prompts)))
+    assert got == [reference[q] for q in prompts]
+    _wait_blocks_back([p, d], start)
+
+
+def test_misplaced_blocks_change_the_answer(cluster, reference, certs):
+    """The check above can fail: feed the decode the prefill's blocks in the wrong
+    order and its answer must differ from the reference."""
+    p, d = cluster["p1-zmq"], cluster["d1"]
+    prompt = PROMPTS[0]
+    r = httpx.post(p.url + "/v1/completions", verify=p.verify, timeout=60, json={
+        "model": "kvbridge-tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    params = r.json()["kv_transfer_params"]
+    assert len(params["remote_block_ids"]) >= 3
+    params["remote_block_ids"] = params["remote_block_ids"][::-1]
+    got = _complete(d.url, prompt, verify=d.verify, kv_transfer_params=params)
+    assert d.metric('kvbridge_kv_loads_total{outcome="failed"}') == 0
+    assert got != reference[prompt]
+
+
+def _dead_params(cluster) -> dict:
+    """Params naming a prefill whose side channel is down (a port nobody listens on)."""
+    from tests.e2e.conftest import free_port
+
+    return {"do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": "gone", "remote_block_ids": [0, 1, 2, 3, 4, 5],
+            "remote_request_id": "x", "remote_host": "127.0.0.1", "remote_port": free_port(),
+            "tp_size": 1, "handshake_method": "http"}
+
+
+def test_dead_side_channel_recompute(cluster, reference):
+    d = cluster["d1"]
+    free = d.metric("kvbridge_blocks_free")
+    prompt = PROMPTS[1]
+    got = _complete(d.url, prompt, verify=d.verify, kv_transfer_params=_dead_params(cluster))
+    assert got == reference[prompt]
+    assert d.metric("kvbridge_blocks_free") == free
+    # and it keeps serving
+    assert _complete(d.url, PROMPTS[2], verify=d.verify) == reference[PROMPTS[2]]
+
+
+def test_dead_side_channel_fail_policy(cluster, reference):
+    d = cluster["d1-fail"]
+    free = d.metric("kvbridge_blocks_free")
+    t0 = time.monotonic()
+    r = httpx.post(d.url + "/v1/completions", verify=d.verify, timeout=60, json={
+        "model": "kvbridge-tiny", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS,
+        "temperature": 0, "kv_transfer_params": _dead_params(cluster)})
+    elapsed = time.monotonic() - t0
+    assert r.status_code >= 400
+    err = r.json()["error"]
+    assert "handshake" in err["message"].lower(), err
+    assert elapsed < 5 + 3  # the handshake timeout plus a margin, never an OS default
+    assert d.metric("kvbridge_blocks_free") == free
+    assert _complete(d.url, PROMPTS[2], verify=d.verify) == reference[PROMPTS[2]]
