@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="recompute")
     s.add_argument("--kv-lease-seconds", type=float, default=30.0,
                    help="prefill: free held blocks after this long even if unread")
+    s.add_argument("--kv-peer", action="append", default=[], metavar="HOST:PORT",
+                   help="decode: a prefill side channel to handshake with at start-up "
+                   "(repeatable), so the first request pays no handshake")
     s.add_argument("--transfer-timeout", type=float, default=30.0,
                    help="decode: seconds a started READ may take")
     _side_channel_flags(s)
@@ -77,13 +80,63 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--client-cert", nargs=2, metavar=("CERT", "KEY"),
                    help="client certificate for engines that require one")
     x.add_argument("--timeout", type=float, default=300.0)
+    x.add_argument("--no-prewarm", dest="prewarm", action="store_false",
+                   help="don't ask decodes to handshake with every prefill at start-up")
+    x.add_argument("--kv-token-file", help="side-channel token file (mode 600), sent to the "
+                   "decodes' /v1/kv/prewarm (env: KVBRIDGE_SIDE_CHANNEL_TOKEN[_FILE])")
 
     d = sub.add_parser("demo", help="prefill (TP 1) + decode (TP 2) + proxy over TLS, a few prompts")
     d.add_argument("--prompts", nargs="*", help="prompts to send (default: a few built-in)")
     d.add_argument("--max-tokens", type=int, default=24)
     d.add_argument("--decode-tp", type=int, default=2)
     d.add_argument("--handshake", choices=["zmq", "http"], default="http")
+
+    _bench_parser(sub)
     return p
+
+
+class _LazyBenchParser(argparse.ArgumentParser):
+    """A benchmark's sub-parser: its module (and arguments) imported only when chosen."""
+
+    def __init__(self, *args, module: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self._module, self._loaded = module, False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not self._loaded:
+            import importlib
+
+            self._loaded = True
+            importlib.import_module(self._module).add_arguments(self)
+        return super().parse_known_args(args, namespace)
+
+
+def _bench_parser(sub) -> None:
+    from kvbridge.bench import BENCHMARKS
+
+    b = sub.add_parser("bench", help="benchmarks: JSON + PNG under --out (see BENCHMARKS.md)")
+    bsub = b.add_subparsers(dest="benchmark", required=True, parser_class=_LazyBenchParser)
+    for name, module in BENCHMARKS.items():
+        bp = bsub.add_parser(name, module=module, help=f"see {module}")
+        bp.add_argument("--out", default="bench/results", help="directory for NAME.json/.png")
+        bp.add_argument("--quick", action="store_true", help="tiny sizes (smoke tests)")
+        bp.set_defaults(bench_module=module)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+    from pathlib import Path
+
+    from kvbridge.bench import report
+
+    mod = importlib.import_module(args.bench_module)
+    result = mod.run(args)
+    path = report.write(args.benchmark, result, Path(args.out))
+    png = path.with_suffix(".png")
+    mod.plot(result, png)
+    print(mod.summary(result))
+    print(f"wrote {path} and {png}")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -108,7 +161,8 @@ def _serve(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks, block_size=args.block_size,
         kv_load_failure_policy=args.kv_load_failure_policy, lease_seconds=args.kv_lease_seconds,
         transfer_timeout=args.transfer_timeout, engine_id=args.engine_id,
-        served_model_name=args.served_model_name, side_channel=side, api_tls=api_tls)
+        served_model_name=args.served_model_name, side_channel=side, api_tls=api_tls,
+        kv_peers=args.kv_peer)
     _print_settings("serve", [f"role={opts.role}", f"tp={opts.tp_size}",
                               f"model={opts.model or 'built-in tiny'}", f"dtype={opts.dtype}",
                               f"api=https://{args.host}:{args.port}" if api_tls.enabled
@@ -133,9 +187,11 @@ def _serve(args: argparse.Namespace) -> int:
 def _proxy(args: argparse.Namespace) -> int:
     from kvbridge.server.proxy import run_proxy
 
+    token = SideChannelConfig.load({"token_file": args.kv_token_file}).token
     run_proxy(args.prefill, args.decode, host=args.host, port=args.port, ca_certs=args.ca_certs,
               client_cert=tuple(args.client_cert) if args.client_cert else None,
-              timeout=args.timeout, log_level=args.log_level)
+              timeout=args.timeout, log_level=args.log_level, prewarm=args.prewarm,
+              kv_token=token)
     return 0
 
 
@@ -156,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        return {"serve": _serve, "proxy": _proxy, "demo": _demo}[args.command](args)
+        return {"serve": _serve, "proxy": _proxy, "demo": _demo,
+                "bench": _bench}[args.command](args)
     except ConfigError as e:
         print(f"kvbridge {args.command}: configuration error: {e}", file=sys.stderr)
         return 2

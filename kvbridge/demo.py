@@ -100,6 +100,19 @@ def _wait_healthy(p: _Proc, url: str, client: httpx.Client) -> None:
     raise RuntimeError(f"{p.name} not healthy after {START_TIMEOUT:g}s:\n{p.tail()}")
 
 
+def _wait_prewarmed(p: _Proc, url: str, client: httpx.Client) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        status = client.get(url, timeout=5).json()
+        if status["done"]:
+            for pair in status["pairs"]:
+                if pair["outcome"] != "ok":
+                    print(f"  prewarm {pair['decode']} -> {pair['prefill']}: {pair['outcome']}")
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{p.name}: prewarm not done after {START_TIMEOUT:g}s:\n{p.tail()}")
+
+
 def _metric(client: httpx.Client, url: str, name: str) -> float:
     total = 0.0
     for line in client.get(url + "/metrics").text.splitlines():
@@ -151,9 +164,12 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 24, decode_tp: 
                 _wait_healthy(p, f"https://127.0.0.1:{port}/health", client)
             proxy = _start(procs, tmp, "proxy", "proxy", "--port", str(xp), "--prefill",
                            f"https://127.0.0.1:{pp}", "--decode", f"https://127.0.0.1:{dp}",
-                           "--ca-certs", str(tmp / "ca.pem"))
+                           "--ca-certs", str(tmp / "ca.pem"), "--kv-token-file",
+                           str(tmp / "token"))
             _wait_healthy(proxy, f"http://127.0.0.1:{xp}/health", client)
-            print("  all up; sending prompts\n", flush=True)
+            # The proxy has the decode handshake with the prefill before any request.
+            _wait_prewarmed(proxy, f"http://127.0.0.1:{xp}/v1/kv/prewarm", client)
+            print("  all up, decode handshaken with prefill; sending prompts\n", flush=True)
             rows = []
             d_url = f"https://127.0.0.1:{dp}"
             for i, prompt in enumerate(prompts, 1):

@@ -21,6 +21,18 @@ class LoadSpec:
     method: str
 
 
+@dataclass(frozen=True)
+class PeerSpec:
+    """A remote instance to handshake with before any request needs it."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    epoch: str
+    method: str
+
+
 @dataclass
 class WorkerMeta:
     loads: list[LoadSpec] = field(default_factory=list)

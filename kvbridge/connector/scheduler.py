@@ -17,11 +17,12 @@ import logging
 import time
 from typing import Any
 
-from kvbridge.config import SideChannelConfig
+from kvbridge.config import METHODS, SideChannelConfig
 from kvbridge.connector.aggregator import LoadAggregator, SendAggregator
 from kvbridge.connector.base import ConnectorUpdate
-from kvbridge.connector.messages import LoadSpec, WorkerMeta, WorkerOutput
-from kvbridge.handshake import HandshakeServer, MetadataStore, make_server
+from kvbridge.connector.messages import LoadSpec, PeerSpec, WorkerMeta, WorkerOutput
+from kvbridge.errors import ConfigError, HandshakeError
+from kvbridge.handshake import HandshakeServer, MetadataStore, make_client, make_server
 from kvbridge.metadata import Compat, decode_rank
 from kvbridge.metrics import Metrics
 
@@ -50,7 +51,9 @@ class NixlSchedulerConnector:
         self._cancelled: list[str] = []
         self._load_started: dict[str, float] = {}
         self._load_blocks: dict[str, int] = {}
+        self._refused: dict[str, str] = {}                # loads failed before reaching workers
         self._leases: dict[str, float] = {}               # prefill: request id -> lease deadline
+        self.compat: Compat | None = None  # set by the instance once the workers are up
         self.server: HandshakeServer | None = None
         self.store: MetadataStore | None = None
 
@@ -58,6 +61,7 @@ class NixlSchedulerConnector:
 
     def start_side_channel(self, compat: Compat, worker_metadata: list[bytes]) -> HandshakeServer:
         """Serve every worker's metadata (gathered by the head) on one port."""
+        self.compat = compat
         self.store = MetadataStore(compat, self.tp_size)
         for raw in worker_metadata:
             meta = decode_rank(raw)
@@ -68,6 +72,25 @@ class NixlSchedulerConnector:
         self.server = make_server(self.side_channel, self.store)
         self.server.start()
         return self.server
+
+    def discover(self, host: str, port: int, method: str | None = None) -> PeerSpec:
+        """Ask a prefill's side channel who it is (engine id, TP size, epoch): blocking,
+        bounded by the handshake timeout. Used to handshake before the first request."""
+        method = method or self.side_channel.handshake_method
+        if method not in METHODS:
+            raise ConfigError(f"unknown handshake method {method!r}")
+        if self.side_channel.handshake_method == "http" and method == "zmq":
+            raise ConfigError("this instance uses the http handshake and refuses zmq")
+        client = make_client(self.side_channel, self.compat, method)
+        try:
+            ranks = client.fetch(host, port, None)
+        finally:
+            client.close()
+        first = ranks[0]
+        if len(ranks) != first.tp_size or {(r.engine_id, r.epoch) for r in ranks} != {
+                (first.engine_id, first.epoch)}:
+            raise HandshakeError(f"{host}:{port} answered an inconsistent set of ranks")
+        return PeerSpec(first.engine_id, host, port, first.tp_size, first.epoch, method)
 
     def close(self) -> None:
         if self.server is not None:
@@ -88,19 +111,39 @@ class NixlSchedulerConnector:
         p = self._want.pop(request_id, None)
         if p is None:
             return
-        remote = list(p["remote_block_ids"])
+        self._loads.expect(request_id)
+        self._load_started[request_id] = time.monotonic()
+        try:
+            spec = self._load_spec(request_id, p, block_ids)
+        except (KeyError, TypeError, ValueError) as e:
+            # Bad params fail this request through the engine's policy; nothing else.
+            self._refused[request_id] = f"invalid kv_transfer_params: {e}"
+            return
+        self._load_blocks[request_id] = len(spec.local_block_ids)
+        self._new_loads.append(spec)
+
+    def _load_spec(self, request_id: str, p: dict[str, Any], block_ids: list[int]) -> LoadSpec:
+        remote = [int(b) for b in p["remote_block_ids"]]
+        if any(b < 0 for b in remote):
+            raise ValueError("negative remote block id")
+        method = str(p.get("handshake_method") or self.side_channel.handshake_method)
+        if method not in METHODS:
+            raise ValueError(f"unknown handshake_method {method!r}")
+        if self.side_channel.handshake_method == "http" and method == "zmq":
+            # A request must not talk us into the unauthenticated, unencrypted method.
+            raise ValueError("this instance uses the http handshake and refuses zmq")
+        port, tp = int(p["remote_port"]), int(p.get("tp_size") or 1)
+        if not 0 < port < 65536 or tp < 1:
+            raise ValueError(f"remote_port {port} or tp_size {tp} out of range")
         n = min(len(remote), len(block_ids))
-        self._new_loads.append(LoadSpec(
+        epoch = p.get("remote_epoch")
+        return LoadSpec(
             request_id=request_id, local_block_ids=list(block_ids[:n]),
             remote_block_ids=remote[:n],
             remote_request_id=str(p.get("remote_request_id") or request_id),
             remote_engine_id=str(p["remote_engine_id"]), remote_host=str(p["remote_host"]),
-            remote_port=int(p["remote_port"]), remote_tp_size=int(p.get("tp_size") or 1),
-            remote_epoch=p.get("remote_epoch"),
-            method=str(p.get("handshake_method") or self.side_channel.handshake_method)))
-        self._loads.expect(request_id)
-        self._load_started[request_id] = time.monotonic()
-        self._load_blocks[request_id] = n
+            remote_port=port, remote_tp_size=tp,
+            remote_epoch=None if epoch is None else str(epoch), method=method)
 
     def build_worker_meta(self) -> WorkerMeta:
         meta = WorkerMeta(self._new_loads, self._cancelled)
@@ -109,6 +152,11 @@ class NixlSchedulerConnector:
 
     def update(self, worker_outputs: list[Any | None]) -> ConnectorUpdate:
         out = ConnectorUpdate()
+        for rid, err in self._refused.items():
+            self._loads.forget(rid)
+            out.loaded[rid] = err
+            self._record_load(rid, err)
+        self._refused.clear()
         for wo in worker_outputs:
             if wo is None:
                 continue  # this worker had nothing to say this step
@@ -139,6 +187,7 @@ class NixlSchedulerConnector:
             self._loads.forget(request_id)
             self._load_started.pop(request_id, None)
             self._load_blocks.pop(request_id, None)
+            self._refused.pop(request_id, None)
             self._cancelled.append(request_id)
         p = kv_transfer_params or {}
         if not p.get("do_remote_decode") or not block_ids:

@@ -19,6 +19,7 @@ import torch
 from kvbridge.config import SideChannelConfig
 from kvbridge.connector.messages import (
     LoadSpec,
+    PeerSpec,
     WorkerMeta,
     WorkerOutput,
     decode_notif,
@@ -107,6 +108,16 @@ class NixlWorkerConnector:
                 if note is not None:
                     out.notified.append(note)
         return None if out.empty() else out
+
+    def prewarm(self, peer: PeerSpec) -> None:
+        """Start the handshake with ``peer`` now, so the first request finds it cached.
+
+        Returns at once (the handshake runs in the background); the outcome shows in
+        the handshake metrics, and a failed one is simply retried by the next request.
+        """
+        assert self.peers is not None
+        self.peers.connect(peer.engine_id, peer.host, peer.port, peer.tp_size,
+                           method=peer.method, epoch=peer.epoch)
 
     def close(self) -> None:
         if self.peers is not None:

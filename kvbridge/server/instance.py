@@ -10,24 +10,29 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvbridge.config import SideChannelConfig, TLSConfig
+from kvbridge.connector.messages import PeerSpec
 from kvbridge.connector.scheduler import DEFAULT_LEASE_SECONDS, NixlSchedulerConnector
 from kvbridge.connector.worker import DEFAULT_TRANSFER_TIMEOUT, NixlWorkerConnectorFactory
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.engine import build_engine
+from kvbridge.errors import KVBridgeError
+from kvbridge.handshake.base import token_ok
 from kvbridge.metadata import compat_of, decode_rank
 from kvbridge.metrics import CONTENT_TYPE, Metrics
 from kvbridge.model.loader import load_config
-from kvbridge.server.api import build_app
+from kvbridge.server.api import build_app, error_response
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,8 @@ class InstanceOptions:
     served_model_name: str | None = None
     side_channel: SideChannelConfig = field(default_factory=SideChannelConfig)
     api_tls: TLSConfig = field(default_factory=TLSConfig)
+    # decode: prefill side channels ("host:port") to handshake with at start-up
+    kv_peers: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -94,6 +101,7 @@ class Instance:
         try:
             metas = engine.collective_rpc("kv_handshake_metadata")
             self.compat = compat_of(identity, decode_rank(metas[0]).kv)
+            self.connector.compat = self.compat
             if opts.role in ("prefill", "both"):
                 server = self.connector.start_side_channel(self.compat, metas)
                 log.info("side channel (%s) on %s:%d, advertised as %s", server.method,
@@ -106,11 +114,63 @@ class Instance:
         self.metrics.track_blocks(lambda: engine.num_free_blocks, engine.num_blocks)
         self.engine = AsyncEngine(engine)
         self.app: Starlette = build_app(self.engine, self.model_name)
-        self.app.router.routes.append(Route("/metrics", self._metrics, methods=["GET"]))
+        routes = [Route("/metrics", self._metrics, methods=["GET"])]
+        if opts.role in ("prefill", "both"):
+            routes.append(Route("/v1/kv/info", self._kv_info, methods=["GET"]))
+        if opts.role in ("decode", "both"):
+            routes.append(Route("/v1/kv/prewarm", self._kv_prewarm, methods=["POST"]))
+        self.app.router.routes.extend(routes)
+        for peer in opts.kv_peers:
+            host, _, port = peer.rpartition(":")
+            threading.Thread(target=self._prewarm_logged, args=(host.strip("[]"), int(port)),
+                             name="kvbridge-prewarm", daemon=True).start()
 
     @property
     def side_channel_port(self) -> int | None:
         return None if self.connector.server is None else self.connector.server.port
+
+    def prewarm(self, host: str, port: int, method: str | None = None) -> PeerSpec:
+        """Handshake every worker with the prefill at ``host:port`` now (blocking only
+        for the discovery fetch; the workers' handshakes run in the background)."""
+        spec = self.connector.discover(host, port, method)
+        self.engine.collective_rpc("kv_connector_call", "prewarm", spec)
+        return spec
+
+    def _prewarm_logged(self, host: str, port: int) -> None:
+        try:
+            spec = self.prewarm(host, port)
+            log.info("prewarming handshakes with %s (tp %d) at %s:%d", spec.engine_id,
+                     spec.tp_size, host, port)
+        except Exception as e:  # a peer that is down now is handshaken on first use
+            log.warning("prewarm of %s:%d failed: %s", host, port, e)
+
+    async def _kv_info(self, request: Request) -> Response:
+        """Where this prefill's side channel is (no metadata): what a proxy needs to
+        tell decodes to handshake early."""
+        sc = self.opts.side_channel
+        return JSONResponse({"engine_id": self.engine_id, "epoch": self.epoch,
+                             "tp_size": self.opts.tp_size, "handshake_method":
+                             sc.handshake_method, "side_channel_host": sc.advertised,
+                             "side_channel_port": self.side_channel_port})
+
+    async def _kv_prewarm(self, request: Request) -> Response:
+        token = self.opts.side_channel.token
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if not token_ok(token, given if scheme.lower() == "bearer" else None):
+            return _error(401, "missing or invalid bearer token (the side-channel token)")
+        try:
+            body = await request.json()
+            host, port = str(body["host"]), int(body["port"])
+            method = body.get("method")
+        except (ValueError, KeyError, TypeError) as e:
+            return _error(400, f"expected JSON {{host, port, method?}}: {e}")
+        try:
+            spec = await run_in_threadpool(self.prewarm, host, port, method)
+        except KVBridgeError as e:
+            return _error(502, f"prewarm of {host}:{port} failed: {e}")
+        return JSONResponse({"status": "started", "engine_id": spec.engine_id,
+                             "tp_size": spec.tp_size, "epoch": spec.epoch,
+                             "handshake_method": spec.method})
 
     async def _metrics(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
@@ -126,3 +186,7 @@ def _block_bytes(cfg, opts: InstanceOptions) -> int:
     itemsize = resolve_dtype(opts.dtype).itemsize
     return (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * opts.block_size
             * cfg.head_dim * itemsize)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return error_response(status, message, type_="kv_transfer_error")

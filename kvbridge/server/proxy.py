@@ -41,6 +41,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+PREWARM_WINDOW = 300.0  # seconds the proxy keeps trying to reach engines that are starting
+
 # Read/write timeout per operation: a long prompt's prefill or a long non-streamed generation
 # sends nothing until it is done, so this is generous; connecting should be quick.
 DEFAULT_TIMEOUT = 300.0
@@ -198,8 +200,15 @@ class _Proxy:
         decode_urls: list[str],
         verify: ssl.SSLContext | bool,
         timeout: httpx.Timeout,
+        prewarm: bool = True,
+        kv_token: str | None = None,
     ) -> None:
         self.prefill_urls = prefill_urls
+        self.prewarm = prewarm
+        self.kv_token = kv_token
+        # (prefill url, decode url) -> "ok" or the reason it failed; filled in the background
+        self.prewarmed: dict[tuple[str, str], str] = {}
+        self.prewarm_done = asyncio.Event()
         self.decode_urls = decode_urls
         self._prefills = itertools.cycle(prefill_urls)
         self._decodes = itertools.cycle(decode_urls)
@@ -227,12 +236,56 @@ class _Proxy:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self._client = self._new_client()
+        task = asyncio.create_task(self._prewarm_all()) if self.prewarm else None
         try:
             yield
         finally:
+            if task is not None:
+                task.cancel()
             client, self._client = self._client, None
             if client is not None:
                 await client.aclose()
+
+    async def _prewarm_all(self) -> None:
+        """Tell every decode to handshake with every prefill now, so that no client
+        request pays for it. Engines still starting are retried for ``PREWARM_WINDOW``
+        seconds; engines that do not offer it (4xx) are skipped."""
+        try:
+            await asyncio.gather(*(self._prewarm_pair(p, d) for p in self.prefill_urls
+                                   for d in self.decode_urls))
+        finally:
+            self.prewarm_done.set()
+
+    async def _prewarm_pair(self, p_url: str, d_url: str) -> None:
+        deadline = asyncio.get_running_loop().time() + PREWARM_WINDOW
+        headers = {"authorization": f"Bearer {self.kv_token}"} if self.kv_token else {}
+        delay = 0.2
+        while True:
+            try:
+                r = await self.client.get(p_url + "/v1/kv/info")
+                if r.status_code == 200:
+                    info = r.json()
+                    body = {"host": info["side_channel_host"],
+                            "port": info["side_channel_port"],
+                            "method": info["handshake_method"]}
+                    r = await self.client.post(d_url + "/v1/kv/prewarm", json=body,
+                                               headers=headers)
+                outcome = "ok" if r.status_code == 200 else f"{r.status_code}: {r.text[:200]}"
+                if r.status_code < 500:
+                    break  # done, or refused for good (no such route, wrong token)
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                outcome = f"{type(e).__name__}: {e}"
+            if asyncio.get_running_loop().time() + delay > deadline:
+                break
+            await asyncio.sleep(delay)  # an engine still starting: try again shortly
+            delay = min(2 * delay, 2.0)
+        self.prewarmed[(p_url, d_url)] = outcome
+        if outcome != "ok":
+            log.warning("prewarm of %s with %s: %s", d_url, p_url, outcome)
+
+    async def prewarm_status(self, request: Request) -> Response:
+        return JSONResponse({"done": self.prewarm_done.is_set(), "pairs": [
+            {"prefill": p, "decode": d, "outcome": o} for (p, d), o in self.prewarmed.items()]})
 
     @staticmethod
     def _engine_headers(request: Request, request_id: str) -> dict[str, str]:
@@ -368,18 +421,24 @@ def build_proxy_app(
     client_cert: tuple[str, str] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    prewarm: bool = True,
+    kv_token: str | None = None,
 ) -> Starlette:
     """The P/D proxy as a Starlette app.
 
     ``ca_certs`` verifies https engines (default: certifi's bundle); ``client_cert`` is a
     (certfile, keyfile) pair presented for mTLS. ``timeout`` bounds each read/write towards an
-    engine, ``connect_timeout`` each connection attempt.
+    engine, ``connect_timeout`` each connection attempt. With ``prewarm`` the proxy tells
+    every decode, at start-up, to handshake with every prefill (``kv_token``: the
+    side-channel token the decodes require for that).
     """
     proxy = _Proxy(
         _check_urls("prefill", prefill_urls),
         _check_urls("decode", decode_urls),
         _ssl_context(ca_certs, client_cert),
         httpx.Timeout(timeout, connect=connect_timeout),
+        prewarm,
+        kv_token,
     )
     routes = [
         Route(_COMPLETIONS, proxy.completions_endpoint(_COMPLETIONS), methods=["POST"]),
@@ -387,6 +446,7 @@ def build_proxy_app(
         Route("/v1/models", proxy.models, methods=["GET"]),
         Route("/health", proxy.health, methods=["GET"]),
         Route("/healthz/backends", proxy.backends_health, methods=["GET"]),
+        Route("/v1/kv/prewarm", proxy.prewarm_status, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=proxy.lifespan)
     app.state.proxy = proxy
@@ -406,6 +466,8 @@ def run_proxy(
     ssl_certfile: str | None = None,
     ssl_keyfile: str | None = None,
     log_level: str = "info",
+    prewarm: bool = True,
+    kv_token: str | None = None,
 ) -> None:
     """Serve the proxy with uvicorn until interrupted.
 
@@ -418,6 +480,8 @@ def run_proxy(
         client_cert=client_cert,
         timeout=timeout,
         connect_timeout=connect_timeout,
+        prewarm=prewarm,
+        kv_token=kv_token,
     )
     scheme = "https" if ssl_certfile else "http"
     print(
