@@ -179,6 +179,15 @@ def _serve(args: argparse.Namespace) -> int:
         run_server(inst.app, args.host, args.port, ssl_certfile=api_tls.certfile,
                    ssl_keyfile=api_tls.keyfile, ssl_ca_certs=api_tls.ca_certs,
                    ssl_cert_reqs=api_tls.cert_reqs, log_level=args.log_level)
+        # The API is closed (SIGTERM/SIGINT): no new requests. Blocks held for decodes
+        # stay readable, with the side channel up, until read or their leases end.
+        held = inst.connector.num_held
+        if held:
+            print(f"kvbridge serve: draining {held} held request(s) before exit "
+                  f"(at most {opts.lease_seconds:g}s)", file=sys.stderr, flush=True)
+        drained = inst.drain()
+        if not drained:
+            print("kvbridge serve: exiting with held requests left", file=sys.stderr)
     finally:
         inst.shutdown()
     return 0

@@ -192,7 +192,7 @@ def parse_cert_reqs(value: str | int | None) -> int:
     """uvicorn's ``ssl_cert_reqs``: none/optional/required (or 0/1/2) -> ``ssl.VerifyMode``."""
     if value is None:
         return int(ssl.CERT_NONE)
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1, 2):
         return value
     key = str(value).strip().lower().removeprefix("cert_")
     if key not in _CERT_REQS:

@@ -86,6 +86,13 @@ class Envelope(_Strict):
     body: bytes
 
 
+class _Version(msgspec.Struct):
+    """Only the envelope's schema version, read leniently: a peer speaking another
+    version (other or more fields) is told apart by its version, not by a decode error."""
+
+    schema_version: int
+
+
 def compat_hash(compat: Compat) -> str:
     return hashlib.sha256(msgspec.msgpack.encode(compat)).hexdigest()
 
@@ -96,6 +103,7 @@ def compat_of(model: str, kv: KVLayout) -> Compat:
                   num_layers=kv.num_layers, layout=kv.layout, block_size=kv.block_size)
 
 
+_version_decoder = msgspec.msgpack.Decoder(_Version)
 _envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 _ranks_decoder = msgspec.msgpack.Decoder(list[RankMetadata])
 _rank_decoder = msgspec.msgpack.Decoder(RankMetadata)
@@ -129,10 +137,11 @@ def decode_envelope(data: bytes, expected: Compat | None,
     """
     if len(data) > max_bytes:
         raise WireFormatError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
-    env = _decode(_envelope_decoder, data, "envelope")
-    if env.schema_version != SCHEMA_VERSION:
+    version = _decode(_version_decoder, data, "envelope").schema_version
+    if version != SCHEMA_VERSION:
         raise SchemaVersionError(
-            f"peer speaks wire schema v{env.schema_version}, we speak v{SCHEMA_VERSION}")
+            f"peer speaks wire schema v{version}, we speak v{SCHEMA_VERSION}")
+    env = _decode(_envelope_decoder, data, "envelope")
     if env.compat_hash != compat_hash(env.compat):
         raise WireFormatError("envelope compat_hash does not match its compat fields")
     if expected is not None and env.compat_hash != compat_hash(expected):

@@ -85,20 +85,23 @@ class PeerManager:
                     stale, fut = peer, None
                     del self._peers[engine_id]
             if fut is None:
+                if stale is not None:
+                    # Before the new handshake, which may add the same remote agent again:
+                    # removing it afterwards would break the new peer.
+                    log.info("peer %s: epoch %s is stale, handshaking again", engine_id,
+                             stale.epoch)
+                    self._disconnect(stale)
                 fut = self._handshakes.submit(self._timed, engine_id, host, port, remote_tp,
                                               method)
                 self._peers[engine_id] = fut
-        if stale is not None:
-            log.info("peer %s: epoch %s is stale, handshaking again", engine_id, stale.epoch)
-            self._disconnect(stale)
         return fut if epoch is None else _check_epoch(fut, epoch)
 
     def invalidate(self, engine_id: str) -> None:
         """Forget a peer (e.g. after a failed transfer); the next connect handshakes again."""
-        with self._lock:
+        with self._lock:  # disconnect before a concurrent connect can add the agent again
             fut = self._peers.pop(engine_id, None)
-        if fut is not None and fut.done() and not fut.exception():
-            self._disconnect(fut.result())
+            if fut is not None and fut.done() and not fut.exception():
+                self._disconnect(fut.result())
 
     def close(self) -> None:
         self._handshakes.shutdown(wait=False, cancel_futures=True)

@@ -89,5 +89,7 @@ def remote_ranks(local_rank: int, local_tp: int, remote_tp: int, total_kv_heads:
 
 def consumers(remote_rank: int, remote_tp: int, local_tp: int, total_kv_heads: int) -> list[int]:
     """Local ranks that read from ``remote_rank`` (a prefill waits for each to notify)."""
+    _check(local_tp, total_kv_heads)
+    rank_heads(remote_rank, remote_tp, total_kv_heads)  # checks remote_tp and the rank
     return [r for r in range(local_tp)
             if remote_rank in remote_ranks(r, local_tp, remote_tp, total_kv_heads)]

@@ -148,12 +148,21 @@ class NixlAgent:
         local = np.concatenate([slice_descs(self.kv, s.local_head, s.num_heads)
                                 for s in slices])
         with self._lock:
-            agent_name = self._agent.add_remote_agent(meta.agent_metadata)
+            try:  # NIXL raises its own exception types (bad metadata, unknown agent, ...)
+                agent_name = self._agent.add_remote_agent(meta.agent_metadata)
+            except Exception as e:
+                raise TransferError(f"cannot add remote agent {meta.agent_name!r}: "
+                                    f"{type(e).__name__}: {e}") from e
             if isinstance(agent_name, bytes):
                 agent_name = agent_name.decode()
             peer = RemoteRank(meta, agent_name, slices)
-            peer.remote_dlist = self._agent.prep_xfer_dlist(agent_name, remote, "DRAM")
-            peer.local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
+            try:
+                peer.remote_dlist = self._agent.prep_xfer_dlist(agent_name, remote, "DRAM")
+                peer.local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
+            except Exception as e:
+                self.disconnect(peer)
+                raise TransferError(f"cannot prepare descriptors for {agent_name}: "
+                                    f"{type(e).__name__}: {e}") from e
         return peer
 
     def disconnect(self, peer: RemoteRank) -> None:
@@ -180,8 +189,12 @@ class NixlAgent:
         with self._lock:
             if peer.remote_dlist is None:
                 raise TransferError(f"peer {peer.agent_name} was disconnected")
-            handle = self._agent.make_prepped_xfer("READ", peer.local_dlist, local_idx,
-                                                   peer.remote_dlist, remote_idx, notif)
+            try:  # e.g. the remote agent was removed or re-added since the lists were prepared
+                handle = self._agent.make_prepped_xfer("READ", peer.local_dlist, local_idx,
+                                                       peer.remote_dlist, remote_idx, notif)
+            except Exception as e:
+                raise TransferError(f"READ from {peer.agent_name} could not be built: "
+                                    f"{type(e).__name__}: {e}") from e
             state = self._agent.transfer(handle)
             if state == "ERR":
                 self._agent.release_xfer_handle(handle)

@@ -49,6 +49,10 @@ class SchedulerConnector(Protocol):
     def update(self, worker_outputs: list[Any | None]) -> ConnectorUpdate:
         """Fold one step's per-worker outputs; a worker may report ``None``."""
 
+    def has_pending(self) -> bool:
+        """The connector awaits news from the workers with no request in flight (e.g. a
+        handshake started ahead of time): the engine keeps stepping while True."""
+
     def on_finished(self, request_id: str, block_ids: list[int],
                     kv_transfer_params: dict[str, Any] | None) -> tuple[bool, dict[str, Any] | None]:
         """A request ended. Returns (hold_blocks, kv_transfer_params for the response).
@@ -83,6 +87,9 @@ class NullConnector:
 
     def update(self, worker_outputs) -> ConnectorUpdate:
         return ConnectorUpdate()
+
+    def has_pending(self) -> bool:
+        return False
 
     def on_finished(self, request_id, block_ids, kv_transfer_params):
         return False, None

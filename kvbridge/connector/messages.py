@@ -48,8 +48,8 @@ class WorkerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # (remote request id, decode rank, decode tp size) of READs that finished on our blocks
     notified: list[tuple[str, int, int]] = field(default_factory=list)
-    # (method, seconds, outcome) of handshakes that finished on this worker
-    handshakes: list[tuple[str, float, str]] = field(default_factory=list)
+    # (engine id, method, seconds, outcome) of handshakes that finished on this worker
+    handshakes: list[tuple[str, str, float, str]] = field(default_factory=list)
 
     def empty(self) -> bool:
         return not (self.loaded or self.failed or self.notified or self.handshakes)

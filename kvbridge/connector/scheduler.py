@@ -14,6 +14,7 @@ continue from the transferred KV or to apply its failure policy.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -53,6 +54,8 @@ class NixlSchedulerConnector:
         self._load_blocks: dict[str, int] = {}
         self._refused: dict[str, str] = {}                # loads failed before reaching workers
         self._leases: dict[str, float] = {}               # prefill: request id -> lease deadline
+        self._prewarms: dict[str, tuple[int, float]] = {}  # engine id -> (ranks left, deadline)
+        self._prewarm_lock = threading.Lock()  # prewarms are announced from API threads
         self.compat: Compat | None = None  # set by the instance once the workers are up
         self.server: HandshakeServer | None = None
         self.store: MetadataStore | None = None
@@ -91,6 +94,34 @@ class NixlSchedulerConnector:
                 (first.engine_id, first.epoch)}:
             raise HandshakeError(f"{host}:{port} answered an inconsistent set of ranks")
         return PeerSpec(first.engine_id, host, port, first.tp_size, first.epoch, method)
+
+    def expect_prewarm(self, engine_id: str, workers: int) -> None:
+        """``workers`` ranks started a handshake with ``engine_id`` ahead of any request:
+        keep the engine stepping until they report (bounded by the handshake timeout)."""
+        if workers:
+            deadline = time.monotonic() + self.side_channel.handshake_timeout + 1
+            with self._prewarm_lock:
+                self._prewarms[engine_id] = (workers, deadline)
+
+    def prewarming(self, engine_id: str) -> bool:
+        with self._prewarm_lock:
+            return engine_id in self._prewarms
+
+    def has_pending(self) -> bool:
+        with self._prewarm_lock:
+            now = time.monotonic()
+            for eid in [e for e, (_, t) in self._prewarms.items() if t < now]:
+                del self._prewarms[eid]
+            return bool(self._prewarms)
+
+    def _prewarm_seen(self, engine_id: str) -> None:
+        with self._prewarm_lock:
+            if engine_id in self._prewarms:
+                left, deadline = self._prewarms[engine_id]
+                if left <= 1:
+                    del self._prewarms[engine_id]
+                else:
+                    self._prewarms[engine_id] = (left - 1, deadline)
 
     def close(self) -> None:
         if self.server is not None:
@@ -161,8 +192,9 @@ class NixlSchedulerConnector:
             if wo is None:
                 continue  # this worker had nothing to say this step
             assert isinstance(wo, WorkerOutput)
-            for method, seconds, outcome in wo.handshakes:
+            for engine_id, method, seconds, outcome in wo.handshakes:
                 self.metrics.handshake_seconds.labels(method, outcome).observe(seconds)
+                self._prewarm_seen(engine_id)
             for rid, err in self._loads.fold(wo.loaded, wo.failed).items():
                 out.loaded[rid] = err
                 self._record_load(rid, err)

@@ -101,7 +101,8 @@ class NixlWorkerConnector:
             elif err is not None:
                 out.failed[rid] = err
                 del self._loads[rid]
-        out.handshakes = [(e.method, e.seconds, e.outcome) for e in self.peers.drain_events()]
+        out.handshakes = [(e.engine_id, e.method, e.seconds, e.outcome)
+                          for e in self.peers.drain_events()]
         for msgs in self.agent.notifications().values():
             for msg in msgs:
                 note = decode_notif(msg)
@@ -109,15 +110,15 @@ class NixlWorkerConnector:
                     out.notified.append(note)
         return None if out.empty() else out
 
-    def prewarm(self, peer: PeerSpec) -> None:
+    def prewarm(self, peer: PeerSpec) -> bool:
         """Start the handshake with ``peer`` now, so the first request finds it cached.
 
-        Returns at once (the handshake runs in the background); the outcome shows in
-        the handshake metrics, and a failed one is simply retried by the next request.
+        Returns at once (the handshake runs in the background): True when one is under
+        way, False when the peer was already cached. A failed one is retried on first use.
         """
         assert self.peers is not None
-        self.peers.connect(peer.engine_id, peer.host, peer.port, peer.tp_size,
-                           method=peer.method, epoch=peer.epoch)
+        return not self.peers.connect(peer.engine_id, peer.host, peer.port, peer.tp_size,
+                                      method=peer.method, epoch=peer.epoch).done()
 
     def close(self) -> None:
         if self.peers is not None:

@@ -152,11 +152,12 @@ class HandshakeClient(ABC):
                 break
             except _Retry as e:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left > 0:
+                    time.sleep(min(delay, left))
+                if time.monotonic() >= deadline:  # say why, rather than "no time left"
                     raise HandshakeTimeout(
                         f"{self.method} handshake with {host}:{port} gave up after "
                         f"{self.timeout:g}s: {e}") from None
-                time.sleep(min(delay, left))
                 delay = min(delay * 2, 0.5)
         where = f"{self.method}://{host}:{port}"
         if reply.status == 401:

@@ -121,7 +121,9 @@ class HttpHandshakeServer(HandshakeServer):
         # Bind now so the port is known (port 0 = ephemeral) and connections that
         # arrive before uvicorn runs wait in the backlog instead of being refused.
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and with
+        # Nagle on, every keep-alive reply waits ~40 ms for the peer's delayed ACK.
+        self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host.strip("[]"), port))
         self._sock.listen(2048)
@@ -141,7 +143,10 @@ class HttpHandshakeServer(HandshakeServer):
             limit_concurrency=self._limit_concurrency,
             h11_max_incomplete_event_size=MAX_REQUEST_BYTES,
             ssl_certfile=tls.certfile, ssl_keyfile=tls.keyfile, ssl_ca_certs=tls.ca_certs,
-            ssl_cert_reqs=tls.cert_reqs)
+            ssl_cert_reqs=tls.cert_reqs,
+            # Idle TLS keep-alive peers never answer our close_notify: without a bound,
+            # stop() waits for them (asyncio's 30 s TLS shutdown timeout).
+            timeout_graceful_shutdown=1)
         self._server = _ThreadServer(config)
         self._thread = threading.Thread(target=lambda: asyncio.run(
             self._server.serve(sockets=[self._sock])), name="kvbridge-http-side-channel",
@@ -192,8 +197,12 @@ class HttpHandshakeClient(HandshakeClient):
                 raise HandshakeError(f"TLS with {url} failed: {e}") from None
             raise _Retry(f"{type(e).__name__}: {e}") from None  # refused: peer may be starting
         except httpx.RemoteProtocolError as e:
+            if "without sending a response" not in str(e):  # it answered, but not in HTTP
+                raise WireFormatError(f"{url} answered something that is not HTTP: {e}") from None
+            hint = ("does it require a client certificate (mTLS)?" if self.scheme == "https"
+                    else "is it a TLS server spoken to in plaintext?")
             raise HandshakeError(f"{url} closed the connection without an answer ({e}); "
-                                 "is it a TLS server spoken to in plaintext?") from None
+                                 f"{hint}") from None
         except httpx.TimeoutException:
             raise HandshakeTimeout(f"http handshake with {url}: no answer within "
                                    f"{self.timeout:g}s") from None

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,11 +130,20 @@ class Instance:
     def side_channel_port(self) -> int | None:
         return None if self.connector.server is None else self.connector.server.port
 
-    def prewarm(self, host: str, port: int, method: str | None = None) -> PeerSpec:
-        """Handshake every worker with the prefill at ``host:port`` now (blocking only
-        for the discovery fetch; the workers' handshakes run in the background)."""
+    def prewarm(self, host: str, port: int, method: str | None = None,
+                 wait: bool = False) -> PeerSpec:
+        """Handshake every worker with the prefill at ``host:port`` now.
+
+        Blocks for the discovery fetch; the workers' handshakes run in the background,
+        and with ``wait`` this returns once they ended (bounded by the handshake timeout).
+        The engine keeps serving meanwhile.
+        """
         spec = self.connector.discover(host, port, method)
-        self.engine.collective_rpc("kv_connector_call", "prewarm", spec)
+        started = self.engine.collective_rpc("kv_connector_call", "prewarm", spec)
+        self.connector.expect_prewarm(spec.engine_id, sum(map(bool, started)))
+        self.engine.wake()
+        while wait and self.connector.prewarming(spec.engine_id):
+            time.sleep(0.005)  # the engine loop clears it when every rank has reported
         return spec
 
     def _prewarm_logged(self, host: str, port: int) -> None:
@@ -162,18 +172,30 @@ class Instance:
             body = await request.json()
             host, port = str(body["host"]), int(body["port"])
             method = body.get("method")
+            wait = bool(body.get("wait", False))
         except (ValueError, KeyError, TypeError) as e:
             return _error(400, f"expected JSON {{host, port, method?}}: {e}")
         try:
-            spec = await run_in_threadpool(self.prewarm, host, port, method)
+            spec = await run_in_threadpool(self.prewarm, host, port, method, wait)
         except KVBridgeError as e:
             return _error(502, f"prewarm of {host}:{port} failed: {e}")
-        return JSONResponse({"status": "started", "engine_id": spec.engine_id,
+        return JSONResponse({"status": "done" if wait else "started", "engine_id": spec.engine_id,
                              "tp_size": spec.tp_size, "epoch": spec.epoch,
                              "handshake_method": spec.method})
 
     async def _metrics(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every held prefill request has been read by its decodes (or its
+        lease ended), keeping the engine and the side channel up. True when none is left."""
+        deadline = time.monotonic() + (self.opts.lease_seconds + 5 if timeout is None
+                                       else timeout)
+        while self.connector.num_held and time.monotonic() < deadline:
+            if not self.engine.is_running:
+                return False
+            time.sleep(0.05)
+        return self.connector.num_held == 0
 
     def shutdown(self) -> None:
         self.connector.close()

@@ -267,7 +267,7 @@ class _Proxy:
                     info = r.json()
                     body = {"host": info["side_channel_host"],
                             "port": info["side_channel_port"],
-                            "method": info["handshake_method"]}
+                            "method": info["handshake_method"], "wait": True}
                     r = await self.client.post(d_url + "/v1/kv/prewarm", json=body,
                                                headers=headers)
                 outcome = "ok" if r.status_code == 200 else f"{r.status_code}: {r.text[:200]}"

@@ -1,0 +1,118 @@
+"""Helpers shared by the benchmarks: child processes, /proc readings, certificates, plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def progress(msg: str) -> None:
+    """Progress of a long run: stderr, so stdout stays the summary."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Child:
+    """A ``python -m kvbridge.bench.peer ROLE ...`` process.
+
+    It prints one JSON line once ready; further commands are lines on stdin answered
+    by one JSON line each; it exits when stdin closes.
+    """
+
+    def __init__(self, role: str, *args: str, start_timeout: float = 120.0):
+        self.role = role
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvbridge.bench.peer", role, *args], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.info: dict[str, Any] = self._read(start_timeout)
+        self.pid = self.proc.pid
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise RuntimeError(f"bench peer {self.role} gave no answer (exit "
+                               f"{self.proc.poll()})")
+        return json.loads(line)
+
+    def command(self, line: str, timeout: float = 120.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def stats(self) -> dict[str, float]:
+        return proc_stats(self.pid)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def proc_stats(pid: int) -> dict[str, float]:
+    """CPU seconds (utime + stime) and peak / current RSS (MiB) of a process."""
+    with open(f"/proc/{pid}/stat") as f:
+        # fields after the command name (which may contain spaces) start at index 2
+        rest = f.read().rsplit(")", 1)[1].split()
+    cpu = (int(rest[11]) + int(rest[12])) / _CLK_TCK
+    out = {"cpu_seconds": cpu, "peak_rss_mib": float("nan"), "rss_mib": float("nan")}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                out["peak_rss_mib"] = int(line.split()[1]) / 1024
+            elif line.startswith("VmRSS:"):
+                out["rss_mib"] = int(line.split()[1]) / 1024
+    return out
+
+
+def load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def write_certs(d: Path) -> Path:
+    """A throw-away CA and a server certificate for 127.0.0.1 (trustme)."""
+    import trustme
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert.cert_chain_pems[0].write_to_path(str(d / "server.pem"))
+    cert.private_key_pem.write_to_path(str(d / "server.key"))
+    return d
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -1,0 +1,194 @@
+"""``kvbridge bench handshake``: side-channel latency per method, warm and cold.
+
+One server process holds a realistic metadata store (a NIXL agent + KV cache per
+rank, TP 2) and serves it over ``zmq``, ``http`` and ``http`` + TLS, all with a token.
+This process is the client:
+
+* warm: one persistent client per method fetches one rank again and again (after a
+  warm-up), the three methods interleaved in a shuffled order every round so drift
+  of the machine hits them alike;
+* cold: a new client (new connection, new TLS session) fetches one rank, then
+  ``NixlAgent.connect`` adds the remote agent and prepares both descriptor lists, then
+  disconnect and close: what a decode instance pays for a peer it has never seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvbridge.bench.common import Child, load_average, progress, pyplot, write_certs
+from kvbridge.bench.peer import BENCH_MODEL, kv_shape_args, make_agents
+from kvbridge.bench.report import percentiles
+
+METHODS = ("zmq", "http", "https")
+TOKEN = "bench-" + "x" * 26
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--warm", type=int, default=2000, help="warm fetches per method")
+    p.add_argument("--warmup", type=int, default=100, help="warm-up fetches per method")
+    p.add_argument("--cold", type=int, default=100, help="cold handshakes per method")
+    p.add_argument("--tp", type=int, default=2, help="TP size of the server")
+    kv_shape_args(p)
+
+
+def _quick(args: argparse.Namespace) -> None:
+    args.warm, args.warmup, args.cold = 60, 10, 5
+    args.layers, args.num_blocks = 4, 8
+
+
+def _config(method: str, certs: Path):
+    from kvbridge.config import SideChannelConfig
+
+    tls = {"ssl_ca_certs": str(certs / "ca.pem")} if method == "https" else {}
+    return SideChannelConfig.load(dict(handshake_method="zmq" if method == "zmq" else "http",
+                                       token=TOKEN, handshake_timeout=10.0, **tls), environ={})
+
+
+def _client(method: str, certs: Path, expected):
+    from kvbridge.handshake import make_client
+
+    return make_client(_config(method, certs), expected)
+
+
+def _stats(samples: list[float]) -> dict[str, float]:
+    out = percentiles(samples)
+    out["mean"] = 1000 * sum(samples) / len(samples)
+    out["n"] = len(samples)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvbridge.metadata import compat_of
+    from kvbridge.tp_mapping import plan_reads
+
+    if args.quick:
+        _quick(args)
+    rng = random.Random(0)
+    load_before = load_average()
+    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-") as t:
+        certs = write_certs(Path(t))
+        shape = ["--layers", str(args.layers), "--kv-heads", str(args.kv_heads), "--head-dim",
+                 str(args.head_dim), "--block-size", str(args.block_size), "--num-blocks",
+                 str(args.num_blocks)]
+        progress(f"handshake: starting the server (TP {args.tp}, {args.layers} layers, "
+                 f"{args.num_blocks} blocks per rank)")
+        with Child("sidechannel", "--tp", str(args.tp), "--methods", ",".join(METHODS),
+                   "--token", TOKEN, "--certs", str(certs), *shape) as server:
+            ports = server.info["ports"]
+            local = make_agents(args, args.tp, count=1)[0]
+            expected = compat_of(BENCH_MODEL, local.kv)
+            clients = {m: _client(m, certs, expected) for m in METHODS}
+            warm: dict[str, list[float]] = {m: [] for m in METHODS}
+            try:
+                progress(f"handshake: warm-up ({args.warmup} per method)")
+                for i in range(args.warmup):
+                    for m in METHODS:
+                        clients[m].fetch("127.0.0.1", ports[m], i % args.tp)
+                progress(f"handshake: warm fetches ({args.warm} per method, interleaved)")
+                order = list(METHODS)
+                for i in range(args.warm):
+                    rng.shuffle(order)
+                    for m in order:
+                        t0 = time.perf_counter()
+                        ranks = clients[m].fetch("127.0.0.1", ports[m], i % args.tp)
+                        warm[m].append(time.perf_counter() - t0)
+                        assert ranks[0].tp_rank == i % args.tp
+                    if (i + 1) % max(1, args.warm // 4) == 0:
+                        progress(f"handshake: warm {i + 1}/{args.warm}")
+            finally:
+                for c in clients.values():
+                    c.close()
+            progress(f"handshake: cold handshakes ({args.cold} per method, interleaved)")
+            cold: dict[str, dict[str, list[float]]] = {
+                m: {"total": [], "fetch": [], "connect": []} for m in METHODS}
+            for i in range(args.cold):
+                rank = i % args.tp
+                slices = plan_reads(rank, args.tp, args.tp, args.kv_heads)
+                rng.shuffle(order)
+                for m in order:
+                    t0 = time.perf_counter()
+                    client = _client(m, certs, expected)
+                    meta = client.fetch("127.0.0.1", ports[m], rank)[0]
+                    t1 = time.perf_counter()
+                    peer = local.connect(meta, slices)
+                    t2 = time.perf_counter()
+                    local.disconnect(peer)
+                    client.close()
+                    t3 = time.perf_counter()
+                    cold[m]["total"].append(t3 - t0)
+                    cold[m]["fetch"].append(t1 - t0)
+                    cold[m]["connect"].append(t2 - t1)
+            server_stats = server.stats()
+            info = server.info
+    warm_stats = {m: _stats(v) for m, v in warm.items()}
+    cold_stats = {m: {k: _stats(v) for k, v in parts.items()} for m, parts in cold.items()}
+    http_ratio = warm_stats["http"]["p50"] / warm_stats["zmq"]["p50"]
+    https_ratio = warm_stats["https"]["p50"] / warm_stats["zmq"]["p50"]
+    descs = 2 * args.layers * args.num_blocks * len(plan_reads(0, args.tp, args.tp,
+                                                               args.kv_heads))
+    return {
+        "config": {"tp": args.tp, "layers": args.layers, "kv_heads": args.kv_heads,
+                   "head_dim": args.head_dim, "block_size": args.block_size,
+                   "num_blocks": args.num_blocks, "dtype": "float16", "warm": args.warm,
+                   "warmup": args.warmup, "cold": args.cold, "token": True,
+                   "https": "TLS, server cert verified against a trustme CA",
+                   "descriptors_prepared_per_cold_handshake": 2 * descs, "quick": args.quick},
+        "metadata": {k: info[k] for k in ("envelope_bytes_per_rank",
+                                          "agent_metadata_bytes_per_rank",
+                                          "envelope_bytes_all_ranks")},
+        "warm_ms": warm_stats,
+        "cold_ms": cold_stats,
+        "ratios": {"http_over_zmq_warm_p50": http_ratio, "https_over_zmq_warm_p50": https_ratio},
+        "goals": [
+            {"goal": "warm http p50 <= 1.5x zmq p50", "value": round(http_ratio, 3),
+             "reached": http_ratio <= 1.5},
+            {"goal": "warm http p50 < 2 ms", "value": round(warm_stats["http"]["p50"], 3),
+             "reached": warm_stats["http"]["p50"] < 2.0},
+        ],
+        "server_process": server_stats,
+        "load_average": {"before": load_before, "after": load_average()},
+    }
+
+
+def summary(r: dict[str, Any]) -> str:
+    lines = [f"metadata per rank: {r['metadata']['envelope_bytes_per_rank']} bytes "
+             f"(NIXL agent metadata {r['metadata']['agent_metadata_bytes_per_rank']})",
+             "method   warm p50/p90/p99 (ms)       cold p50/p90/p99 (ms)"]
+    for m in METHODS:
+        w, c = r["warm_ms"][m], r["cold_ms"][m]["total"]
+        lines.append(f"{m:<7} {w['p50']:7.3f} {w['p90']:7.3f} {w['p99']:7.3f}    "
+                     f"{c['p50']:7.2f} {c['p90']:7.2f} {c['p99']:7.2f}")
+    for g in r["goals"]:
+        lines.append(f"goal {g['goal']}: {g['value']} -> "
+                     f"{'reached' if g['reached'] else 'NOT reached'}")
+    return "\n".join(lines)
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    qs = ("p50", "p90", "p99")
+    width = 0.25
+    for ax, key, title in ((axes[0], "warm_ms", "warm fetch (persistent client)"),
+                           (axes[1], "cold_ms", "cold handshake (new client + NIXL connect)")):
+        for i, q in enumerate(qs):
+            vals = [r[key][m][q] if key == "warm_ms" else r[key][m]["total"][q] for m in METHODS]
+            xs = [j + (i - 1) * width for j in range(len(METHODS))]
+            bars = ax.bar(xs, vals, width, label=q)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.set_xticks(range(len(METHODS)), METHODS)
+        ax.set_ylabel("ms")
+        ax.set_title(title)
+        ax.legend()
+    md = r["metadata"]["envelope_bytes_per_rank"][0]
+    fig.suptitle(f"kvbridge handshake, TP {r['config']['tp']}, {md} B metadata per rank "
+                 f"(http/zmq warm p50 = {r['ratios']['http_over_zmq_warm_p50']:.2f}x)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,240 @@
+"""``kvbridge bench sidechannel``: a herd of concurrent handshake clients against one
+``http`` side-channel server process (plain and TLS).
+
+The server process (``kvbridge.bench.peer sidechannel``) serves a TP 2 metadata store
+(real NIXL agents) with a token. This process runs the herd: N clients in flight, each
+with its own keep-alive connection, each asking for one rank again and again for a fixed
+time. The client is a minimal asyncio HTTP/1.1 client (not httpx) so that the single
+client process, which shares the 2 cores with the server, is not the bottleneck.
+
+Reported per level: handshakes/s (wall clock), the server's CPU seconds during the window
+and handshakes per server CPU second (what one core can do), p50/p99 latency, errors, and
+the server's peak RSS (VmHWM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import ssl
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvbridge.bench.common import Child, load_average, progress, pyplot, write_certs
+from kvbridge.bench.report import percentiles
+
+TOKEN = "bench-" + "y" * 26
+PATH = "/v1/kv/handshake"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", default="64,256,1024", help="clients in flight, per level")
+    p.add_argument("--duration", type=float, default=8.0, help="seconds per level")
+    p.add_argument("--schemes", default="http,https", help="http and/or https (TLS)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds one request may take")
+
+
+def _quick(args: argparse.Namespace) -> None:
+    args.concurrency, args.duration = "8,32", 0.8
+
+
+class _Level:
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.connect: list[float] = []
+        self.errors: dict[str, int] = {}
+        self.measuring = False
+        self.stop = False
+
+    def error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+
+async def _read_reply(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split(b" ", 2)[1])
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    body = await reader.readexactly(length)
+    return status, body
+
+
+async def _client(i: int, port: int, ctx: ssl.SSLContext | None, level: _Level,
+                  started: asyncio.Event, go: asyncio.Event, timeout: float) -> None:
+    t0 = time.perf_counter()
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection("127.0.0.1", port, ssl=ctx,
+                                    server_hostname="127.0.0.1" if ctx else None), timeout)
+    except Exception as e:
+        level.error(f"connect: {type(e).__name__}")
+        started.set()
+        return
+    level.connect.append(time.perf_counter() - t0)
+    request = (f"GET {PATH}/{i % 2} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
+               f"authorization: Bearer {TOKEN}\r\naccept: application/vnd.msgpack\r\n\r\n"
+               ).encode()
+    await go.wait()
+    try:
+        while not level.stop:
+            t0 = time.perf_counter()
+            writer.write(request)
+            status, body = await asyncio.wait_for(_read_reply(reader), timeout)
+            if level.measuring:
+                if status == 200 and body:
+                    level.latencies.append(time.perf_counter() - t0)
+                else:
+                    level.error(f"status {status}")
+    except Exception as e:
+        level.error(f"request: {type(e).__name__}")
+    finally:
+        writer.close()
+        try:
+            await asyncio.wait_for(writer.wait_closed(), 2)
+        except Exception:
+            pass
+
+
+async def _level(port: int, ctx: ssl.SSLContext | None, n: int, duration: float,
+                 timeout: float, server: Child) -> dict[str, Any]:
+    level = _Level()
+    go = asyncio.Event()
+    started = asyncio.Event()
+    t_connect = time.perf_counter()
+    tasks = [asyncio.create_task(_client(i, port, ctx, level, started, go, timeout))
+             for i in range(n)]
+    # Wait until every client has connected (or failed to), boundedly.
+    deadline = time.monotonic() + 60
+    while (len(level.connect) + sum(level.errors.values()) < n
+           and time.monotonic() < deadline):
+        await asyncio.sleep(0.02)
+    connect_wall = time.perf_counter() - t_connect
+    go.set()
+    await asyncio.sleep(min(1.0, duration / 4))  # ramp-up, not measured
+    before = server.stats()
+    t0 = time.perf_counter()
+    level.measuring = True
+    await asyncio.sleep(duration)
+    level.measuring = False
+    wall = time.perf_counter() - t0
+    after = server.stats()
+    level.stop = True
+    await asyncio.wait(tasks, timeout=timeout + 5)
+    done = len(level.latencies)
+    cpu = after["cpu_seconds"] - before["cpu_seconds"]
+    return {
+        "clients": n, "handshakes": done, "seconds": wall,
+        "handshakes_per_s": done / wall,
+        "server_cpu_seconds": cpu,
+        "server_cpu_utilisation": cpu / wall,
+        "handshakes_per_server_cpu_second": done / cpu if cpu > 0 else float("nan"),
+        "latency_ms": {**percentiles(level.latencies), "mean": 1000 * sum(level.latencies)
+                       / max(1, done)},
+        "connect_ms": percentiles(level.connect), "connect_wall_s": connect_wall,
+        "errors": sum(level.errors.values()), "error_kinds": level.errors,
+        "server_peak_rss_mib": after["peak_rss_mib"], "server_rss_mib": after["rss_mib"],
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.quick:
+        _quick(args)
+    levels = [int(x) for x in str(args.concurrency).split(",")]
+    schemes = [s for s in args.schemes.split(",") if s]
+    load_before = load_average()
+    results: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-") as t:
+        certs = write_certs(Path(t))
+        methods = ",".join("http" if s == "http" else "https" for s in schemes)
+        progress("sidechannel: starting the server process (TP 2, 32 layers)")
+        with Child("sidechannel", "--tp", "2", "--methods", methods, "--token", TOKEN,
+                   "--certs", str(certs), "--num-blocks", "4") as server:
+            start_stats = server.stats()
+            for scheme in schemes:
+                ctx = None
+                if scheme == "https":
+                    ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+                port = server.info["ports"][scheme]
+                results[scheme] = []
+                for n in levels:
+                    progress(f"sidechannel: {scheme}, {n} clients in flight, "
+                             f"{args.duration:g} s")
+                    r = asyncio.run(_level(port, ctx, n, args.duration, args.timeout, server))
+                    progress(f"sidechannel: {scheme} x{n}: {r['handshakes_per_s']:.0f}/s, "
+                             f"p99 {r['latency_ms']['p99']:.1f} ms, {r['errors']} errors")
+                    results[scheme].append(r)
+            end_stats = server.stats()
+            info = server.info
+    http = {r["clients"]: r for r in results.get("http", [])}
+    goals = []
+    if http:
+        best = max(r["handshakes_per_server_cpu_second"] for r in http.values())
+        goals.append({"goal": ">= 2000 handshakes/s on one core (http; handshakes per "
+                              "server CPU second, best level)", "value": round(best),
+                      "reached": best >= 2000})
+        if 256 in http:
+            p99 = http[256]["latency_ms"]["p99"]
+            goals.append({"goal": "p99 < 50 ms at 256 in flight (http)", "value": round(p99, 2),
+                          "reached": p99 < 50})
+        if 1024 in http:
+            errs = sum(results[s][levels.index(1024)]["errors"] for s in results)
+            goals.append({"goal": "zero errors at 1024 in flight (http and https)",
+                          "value": errs, "reached": errs == 0})
+    return {
+        "config": {"levels": levels, "duration_s": args.duration, "schemes": schemes,
+                   "server": "HttpHandshakeServer (uvicorn, one event-loop thread), TP 2 store, "
+                             "32 layers, token", "client": "asyncio raw HTTP/1.1, one keep-alive "
+                   "connection per client, one process", "quick": args.quick},
+        "envelope_bytes_per_rank": info["envelope_bytes_per_rank"],
+        "results": results,
+        "server_process": {"start": start_stats, "end": end_stats},
+        "goals": goals,
+        "load_average": {"before": load_before, "after": load_average()},
+    }
+
+
+def summary(r: dict[str, Any]) -> str:
+    lines = ["scheme  clients   hs/s  hs/server-cpu-s   p50 ms   p99 ms  errors  peak RSS MiB"]
+    for scheme, rows in r["results"].items():
+        for x in rows:
+            lines.append(f"{scheme:<6} {x['clients']:>8} {x['handshakes_per_s']:>6.0f} "
+                         f"{x['handshakes_per_server_cpu_second']:>16.0f} "
+                         f"{x['latency_ms']['p50']:>8.2f} {x['latency_ms']['p99']:>8.2f} "
+                         f"{x['errors']:>7} {x['server_peak_rss_mib']:>12.1f}")
+    for g in r["goals"]:
+        lines.append(f"goal {g['goal']}: {g['value']} -> "
+                     f"{'reached' if g['reached'] else 'NOT reached'}")
+    return "\n".join(lines)
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for scheme, rows in r["results"].items():
+        xs = [x["clients"] for x in rows]
+        axes[0].plot(xs, [x["handshakes_per_s"] for x in rows], "o-", label=f"{scheme} wall")
+        axes[0].plot(xs, [x["handshakes_per_server_cpu_second"] for x in rows], "s--",
+                     label=f"{scheme} per server CPU s")
+        for q, style in (("p50", "o-"), ("p99", "s--")):
+            ys = [x["latency_ms"][q] for x in rows]
+            axes[1].plot(xs, [y if math.isfinite(y) else 0 for y in ys], style,
+                         label=f"{scheme} {q}")
+    axes[0].axhline(2000, color="grey", lw=0.8, ls=":", label="goal 2000/s")
+    axes[1].axhline(50, color="grey", lw=0.8, ls=":", label="goal p99 50 ms")
+    for ax, ylabel in ((axes[0], "handshakes / s"), (axes[1], "latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("clients in flight")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+    axes[1].set_yscale("log")
+    fig.suptitle("kvbridge http side channel under a herd of clients (one server process)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,269 @@
+"""``kvbridge bench transfer``: NIXL READs of KV blocks between two processes.
+
+A peer process (``kvbridge.bench.peer transfer``) registers a touched buffer with its own
+NIXL agent; this process registers its own touched buffer, adds the peer's agent and
+READs ``n`` blocks of ``B`` bytes per transfer, sweeping ``n`` and ``B``:
+
+* contiguous block ids (0..n-1 on both sides: NIXL merges adjacent descriptors), and
+  scattered ones (random, distinct ids: nearly nothing to merge), when ``--scattered``;
+* each transfer is timed from ``make_prepped_xfer`` to DONE, as kvbridge's reads are.
+
+Baselines on the same bytes in the same run: an in-memory copy (torch, one thread, same
+block gather for the scattered case) inside this process, and the peer sending the bytes
+over a TCP socket on loopback into this process's buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import random
+import socket
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvbridge.bench.common import Child, load_average, progress, pyplot
+
+KiB = 1024
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--blocks", default="1,4,16,64,256,1024,4096",
+                   help="blocks per transfer (comma-separated)")
+    p.add_argument("--block-sizes", default="16384,65536,262144",
+                   help="block sizes in bytes (comma-separated)")
+    p.add_argument("--min-seconds", type=float, default=0.3,
+                   help="repeat each point at least this long ...")
+    p.add_argument("--min-iters", type=int, default=3, help="... and at least this often")
+    p.add_argument("--max-iters", type=int, default=200)
+    p.add_argument("--no-scattered", dest="scattered", action="store_false",
+                   help="skip the scattered block ids")
+    p.add_argument("--no-tcp", dest="tcp", action="store_false", help="skip the TCP baseline")
+
+
+def _quick(args: argparse.Namespace) -> None:
+    args.blocks, args.block_sizes = "1,16,64", "16384,65536"
+    args.min_seconds, args.min_iters, args.max_iters = 0.02, 2, 5
+
+
+def _repeat(fn, args: argparse.Namespace) -> tuple[float, int]:
+    """Median seconds of ``fn()`` over enough runs."""
+    times: list[float] = []
+    t_end = time.perf_counter() + args.min_seconds
+    while len(times) < args.max_iters and (len(times) < args.min_iters
+                                           or time.perf_counter() < t_end):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), len(times)
+
+
+def _descs(base: int, count: int, size: int) -> np.ndarray:
+    out = np.zeros((count, 3), dtype=np.uint64)
+    out[:, 0] = np.uint64(base) + np.arange(count, dtype=np.uint64) * np.uint64(size)
+    out[:, 1] = size
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from kvbridge.transfer import _nixl_api
+
+    if args.quick:
+        _quick(args)
+    blocks = [int(x) for x in str(args.blocks).split(",")]
+    sizes = [int(x) for x in str(args.block_sizes).split(",")]
+    max_blocks, max_size = max(blocks), max(sizes)
+    pool = max_blocks * max_size
+    torch.set_num_threads(1)
+    load_before = load_average()
+    progress(f"transfer: two buffers of {pool / 2**20:.0f} MiB here, one in the peer")
+    api = _nixl_api()
+    rng = random.Random(0)
+    results: list[dict[str, Any]] = []
+    with Child("transfer", "--pool-bytes", str(pool)) as peer:
+        info = peer.info
+        # Touch every page of both local buffers before any timing.
+        dst = torch.ones(pool, dtype=torch.uint8)
+        src = (torch.arange(pool, dtype=torch.int32) % 251).to(torch.uint8)
+        agent = api.nixl_agent(f"bench-dst-{info['pid']}", api.nixl_agent_config(
+            backends=["UCX"]))
+        reg = agent.register_memory([(dst.data_ptr(), dst.nbytes, 0, "")], mem_type="DRAM")
+        remote = agent.add_remote_agent(base64.b64decode(info["agent_metadata"]))
+        if isinstance(remote, bytes):
+            remote = remote.decode()
+        tcp = socket.create_connection(("127.0.0.1", info["tcp_port"]))
+        tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        dst_np = dst.numpy()
+        try:
+            for size in sizes:
+                count = max_blocks
+                rlist = agent.prep_xfer_dlist(remote, _descs(info["addr"], count, size), "DRAM")
+                llist = agent.prep_xfer_dlist("NIXL_INIT_AGENT",
+                                              _descs(dst.data_ptr(), count, size), "DRAM")
+
+                def nixl_read(lidx: np.ndarray, ridx: np.ndarray, llist=llist,
+                              rlist=rlist) -> None:
+                    h = agent.make_prepped_xfer("READ", llist, lidx, rlist, ridx, b"")
+                    state = agent.transfer(h)
+                    while state == "PROC":
+                        state = agent.check_xfer_state(h)
+                    agent.release_xfer_handle(h)
+                    if state != "DONE":
+                        raise RuntimeError(f"NIXL READ ended {state}")
+
+                warm = np.arange(1, dtype=np.int64)
+                nixl_read(warm, warm)  # first READ sets up the UCX endpoint
+                for n in blocks:
+                    nbytes = n * size
+                    modes = {"contiguous": (np.arange(n, dtype=np.int64),
+                                            np.arange(n, dtype=np.int64))}
+                    if args.scattered and n > 1:
+                        modes["scattered"] = (
+                            np.array(rng.sample(range(max_blocks), n), dtype=np.int64),
+                            np.array(rng.sample(range(max_blocks), n), dtype=np.int64))
+                    row: dict[str, Any] = {"block_bytes": size, "blocks": n, "bytes": nbytes}
+                    for mode, (lidx, ridx) in modes.items():
+                        for k in {0, n - 1}:
+                            dst_np[int(lidx[k]) * size:(int(lidx[k]) + 1) * size] = 0
+                        secs, iters = _repeat(lambda lidx=lidx, ridx=ridx: nixl_read(lidx, ridx),
+                                              args)
+                        # Check what arrived: block k of the READ holds remote block ridx[k].
+                        for k in {0, n - 1}:
+                            off = int(lidx[k]) * size
+                            roff = int(ridx[k]) * size
+                            want = (np.arange(roff, roff + size, dtype=np.int64) % 251
+                                    ).astype(np.uint8)
+                            if not np.array_equal(dst_np[off:off + size], want):
+                                raise RuntimeError(f"READ {mode} n={n} B={size}: wrong bytes")
+                        row[f"nixl_{mode}"] = {"seconds": secs, "iters": iters,
+                                               "gb_per_s": nbytes / secs / 1e9,
+                                               "descs_per_s": n / secs}
+                        # memcpy of the same bytes (same gather for the scattered ids)
+                        if mode == "contiguous":
+                            def copy(nbytes=nbytes) -> None:
+                                dst[:nbytes].copy_(src[:nbytes])
+                        else:
+                            dv, sv = dst.view(-1, size), src.view(-1, size)
+                            lt, rt = torch.from_numpy(lidx), torch.from_numpy(ridx)
+
+                            def copy(dv=dv, sv=sv, lt=lt, rt=rt) -> None:
+                                dv.index_copy_(0, lt, sv.index_select(0, rt))
+                        secs, iters = _repeat(copy, args)
+                        row[f"memcpy_{mode}"] = {"seconds": secs, "iters": iters,
+                                                 "gb_per_s": nbytes / secs / 1e9}
+                    if args.tcp:
+                        view = memoryview(dst_np)
+
+                        def over_tcp(nbytes=nbytes, view=view) -> None:
+                            tcp.sendall(struct.pack("<QQ", 0, nbytes))
+                            got = 0
+                            while got < nbytes:
+                                k = tcp.recv_into(view[got:nbytes])
+                                if not k:
+                                    raise RuntimeError("TCP peer closed")
+                                got += k
+
+                        secs, iters = _repeat(over_tcp, args)
+                        row["tcp_contiguous"] = {"seconds": secs, "iters": iters,
+                                                 "gb_per_s": nbytes / secs / 1e9}
+                    row["nixl_over_memcpy"] = (row["nixl_contiguous"]["gb_per_s"]
+                                               / row["memcpy_contiguous"]["gb_per_s"])
+                    results.append(row)
+                    progress(f"transfer: {n:>5} x {size // KiB:>4} KiB: NIXL "
+                             f"{row['nixl_contiguous']['gb_per_s']:.2f} GB/s, memcpy "
+                             f"{row['memcpy_contiguous']['gb_per_s']:.2f} GB/s"
+                             + (f", TCP {row['tcp_contiguous']['gb_per_s']:.2f} GB/s"
+                                if args.tcp else ""))
+                agent.release_dlist_handle(rlist)
+                agent.release_dlist_handle(llist)
+        finally:
+            tcp.close()
+            agent.remove_remote_agent(remote)
+            agent.deregister_memory(reg)
+        peer_stats = peer.stats()
+    big = [r for r in results if r["bytes"] >= 4 * 2**20]
+    worst = min((r["nixl_over_memcpy"] for r in big), default=float("nan"))
+    goals = []
+    if big:
+        goals.append({"goal": "NIXL READ >= 50% of in-memory copy bandwidth for transfers "
+                              ">= 4 MiB (contiguous; worst point)", "value": round(worst, 3),
+                      "reached": worst >= 0.5})
+    return {
+        "config": {"blocks": blocks, "block_bytes": sizes, "pool_bytes": pool,
+                   "scattered": args.scattered, "tcp": args.tcp,
+                   "min_seconds": args.min_seconds, "min_iters": args.min_iters,
+                   "timing": "median per point; NIXL: make_prepped_xfer .. DONE, busy poll",
+                   "memcpy": "torch copy_ / index_copy_, torch.set_num_threads(1)",
+                   "backend": "NIXL UCX, DRAM to DRAM between two processes",
+                   "quick": args.quick},
+        "results": results,
+        "peer_process": peer_stats,
+        "goals": goals,
+        "load_average": {"before": load_before, "after": load_average()},
+    }
+
+
+def summary(r: dict[str, Any]) -> str:
+    lines = ["block  blocks      MiB  NIXL GB/s  scat GB/s  memcpy GB/s  TCP GB/s  "
+             "NIXL/memcpy  descs/s"]
+    for x in r["results"]:
+        scat = x.get("nixl_scattered", {}).get("gb_per_s", float("nan"))
+        tcp = x.get("tcp_contiguous", {}).get("gb_per_s", float("nan"))
+        lines.append(f"{x['block_bytes'] // KiB:>4}K {x['blocks']:>7} "
+                     f"{x['bytes'] / 2**20:>8.2f} {x['nixl_contiguous']['gb_per_s']:>10.2f} "
+                     f"{scat:>10.2f} {x['memcpy_contiguous']['gb_per_s']:>12.2f} {tcp:>9.2f} "
+                     f"{x['nixl_over_memcpy']:>12.2f} "
+                     f"{x['nixl_contiguous']['descs_per_s']:>8.0f}")
+    for g in r["goals"]:
+        lines.append(f"goal {g['goal']}: {g['value']} -> "
+                     f"{'reached' if g['reached'] else 'NOT reached'}")
+    return "\n".join(lines)
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    sizes = r["config"]["block_bytes"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, size in enumerate(sizes):
+        rows = [x for x in r["results"] if x["block_bytes"] == size]
+        xs = [x["bytes"] / 2**20 for x in rows]
+        c = colors[i % len(colors)]
+        lab = f"{size // KiB} KiB"
+        axes[0].plot(xs, [x["nixl_contiguous"]["gb_per_s"] for x in rows], "o-", color=c,
+                     label=f"NIXL {lab}")
+        if any("nixl_scattered" in x for x in rows):
+            sc = [x for x in rows if "nixl_scattered" in x]
+            axes[0].plot([x["bytes"] / 2**20 for x in sc],
+                         [x["nixl_scattered"]["gb_per_s"] for x in sc], "x:", color=c,
+                         label=f"NIXL scattered {lab}")
+        axes[0].plot(xs, [x["memcpy_contiguous"]["gb_per_s"] for x in rows], "s--", color=c,
+                     alpha=0.6, label=f"memcpy {lab}")
+        if any("tcp_contiguous" in x for x in rows):
+            axes[0].plot(xs, [x["tcp_contiguous"]["gb_per_s"] for x in rows], "^-.", color=c,
+                         alpha=0.6, label=f"TCP {lab}")
+        axes[1].plot([x["blocks"] for x in rows],
+                     [x["nixl_contiguous"]["descs_per_s"] for x in rows], "o-", color=c,
+                     label=f"contiguous {lab}")
+        if any("nixl_scattered" in x for x in rows):
+            sc = [x for x in rows if "nixl_scattered" in x]
+            axes[1].plot([x["blocks"] for x in sc], [x["nixl_scattered"]["descs_per_s"]
+                                                     for x in sc], "x:", color=c,
+                         label=f"scattered {lab}")
+    axes[0].axvline(4, color="grey", lw=0.8, ls=":")
+    axes[0].set(xscale="log", yscale="log", xlabel="MiB per transfer", ylabel="GB/s",
+                title="bandwidth (median per point)")
+    axes[1].set(xscale="log", yscale="log", xlabel="blocks per transfer",
+                ylabel="blocks (descriptors) / s", title="NIXL descriptor rate")
+    axes[0].legend(fontsize=6, ncol=2)
+    axes[1].legend(fontsize=7)
+    fig.suptitle("kvbridge NIXL READ between two processes (CPU memory) vs memcpy and TCP")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
