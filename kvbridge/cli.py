@@ -145,16 +145,19 @@ def _serve(args: argparse.Namespace) -> int:
 
     api_tls = TLSConfig(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs,
                         parse_cert_reqs(args.ssl_cert_reqs))
-    own = args.side_channel_ssl_certfile is not None
     flags = {k: getattr(args, k) for k in ("handshake_method", "handshake_timeout",
                                            "side_channel_host", "side_channel_port",
                                            "advertise_host", "token_file")}
-    # As in the seed: the side channel reuses the API server's TLS unless given its own.
+    # As in the seed: the side channel reuses the API server's TLS settings, each one
+    # unless given its own (a certificate of its own comes with its own key, or none).
+    own_cert = args.side_channel_ssl_certfile is not None
     flags.update(
-        ssl_certfile=args.side_channel_ssl_certfile if own else args.ssl_certfile,
-        ssl_keyfile=args.side_channel_ssl_keyfile if own else args.ssl_keyfile,
+        ssl_certfile=args.side_channel_ssl_certfile if own_cert else args.ssl_certfile,
+        ssl_keyfile=args.side_channel_ssl_keyfile if own_cert else args.ssl_keyfile,
         ssl_ca_certs=args.side_channel_ssl_ca_certs or args.ssl_ca_certs,
-        ssl_cert_reqs=args.side_channel_ssl_cert_reqs if own else args.ssl_cert_reqs)
+        ssl_cert_reqs=args.side_channel_ssl_cert_reqs or args.ssl_cert_reqs)
+    if args.side_channel_ssl_keyfile and not own_cert:
+        raise ConfigError("--side-channel-ssl-keyfile needs --side-channel-ssl-certfile")
     side = SideChannelConfig.load(flags)
     opts = InstanceOptions(
         role=args.role, tp_size=args.tp, model=args.model, dtype=args.dtype,

@@ -20,12 +20,13 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import signal
 import socket
 import ssl
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -342,13 +343,33 @@ def _sse(obj: dict[str, Any]) -> str:
 
 # -- running it ----------------------------------------------------------------------------
 
+class _Server(uvicorn.Server):
+    """uvicorn, minus re-raising SIGINT/SIGTERM once it has stopped: the caller still
+    has work to do after the API closes (``kvbridge serve`` drains held KV blocks)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def run_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, *,
                ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
                ssl_ca_certs: str | None = None, ssl_cert_reqs: int = ssl.CERT_NONE,
                log_level: str = "info") -> None:
-    """Serve ``app`` with uvicorn until interrupted (HTTPS when ``ssl_certfile`` is set)."""
-    uvicorn.run(app, host=host, port=port, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
-                ssl_ca_certs=ssl_ca_certs, ssl_cert_reqs=ssl_cert_reqs, log_level=log_level)
+    """Serve ``app`` with uvicorn until SIGINT/SIGTERM, then return (HTTPS when
+    ``ssl_certfile`` is set)."""
+    _Server(uvicorn.Config(app, host=host, port=port, ssl_certfile=ssl_certfile,
+                           ssl_keyfile=ssl_keyfile, ssl_ca_certs=ssl_ca_certs,
+                           ssl_cert_reqs=ssl_cert_reqs, log_level=log_level)).run()
 
 
 class BackgroundServer:

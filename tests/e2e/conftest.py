@@ -29,9 +29,10 @@ def free_port() -> int:
 class Serve:
     """One ``kvbridge serve`` process; ``url`` is its API."""
 
-    def __init__(self, name: str, log_dir: Path, *args: str, tls: Path | None = None):
+    def __init__(self, name: str, log_dir: Path, *args: str, tls: Path | None = None,
+                 port: int | None = None):
         self.name = name
-        self.port = free_port()
+        self.port = port or free_port()
         self.scheme = "https" if tls else "http"
         self.url = f"{self.scheme}://127.0.0.1:{self.port}"
         self.log = log_dir / f"{name}.log"
