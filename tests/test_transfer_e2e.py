@@ -59,6 +59,6 @@ def test_gqa_replicated_heads_read_once(prefill_peers, certs):
     reads its one head from exactly one prefill rank, and the replicas are spread."""
     peer = prefill_peers("--tp", "4", "--heads", "2", "--token", TOKEN)
     results = _decode(peer, "zmq", [4], certs, "--heads", "2")["4"]
-    for rank, res in enumerate(results):
+    for res in results:
         assert res["mismatched"] == 0 and len(res["remote_ranks"]) == 1, res
     assert len({tuple(r["remote_ranks"]) for r in results}) == 4

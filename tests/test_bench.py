@@ -1,0 +1,105 @@
+"""Smoke tests of ``kvbridge bench``: every benchmark runs with ``--quick`` into a tmp
+``--out`` and writes a JSON with the expected keys and sane values, and a PNG.
+
+No timing assertions: the figures depend on the machine and on what else runs on it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbridge.bench import BENCHMARKS
+from tests.conftest import ROOT
+
+
+def _run(name: str, out: Path, *extra: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvbridge.cli", "bench", name, "--quick", "--out", str(out),
+         *extra], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"wrote {out / name}.json" in proc.stdout
+    data = json.loads((out / f"{name}.json").read_text())
+    png = out / f"{name}.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["benchmark"] == name and data["machine"]["cpus"] >= 1
+    assert data["config"]["quick"] is True
+    return data
+
+
+def _positive(*values: float) -> None:
+    for v in values:
+        assert isinstance(v, (int, float)) and math.isfinite(v) and v > 0, values
+
+
+def _goals(data: dict) -> None:
+    for g in data["goals"]:
+        assert set(g) == {"goal", "value", "reached"} and isinstance(g["reached"], bool)
+
+
+def test_every_benchmark_is_registered():
+    assert set(BENCHMARKS) == {"handshake", "sidechannel", "transfer", "serve"}
+
+
+def test_handshake(tmp_path):
+    d = _run("handshake", tmp_path)
+    assert d["metadata"]["envelope_bytes_per_rank"] and all(
+        b > 0 for b in d["metadata"]["envelope_bytes_per_rank"])
+    for m in ("zmq", "http", "https"):
+        w = d["warm_ms"][m]
+        _positive(w["p50"], w["p90"], w["p99"])
+        assert w["p50"] <= w["p90"] <= w["p99"] and w["n"] == d["config"]["warm"]
+        for part in ("total", "fetch", "connect"):
+            _positive(*(d["cold_ms"][m][part][q] for q in ("p50", "p90", "p99")))
+    _positive(d["ratios"]["http_over_zmq_warm_p50"], d["ratios"]["https_over_zmq_warm_p50"])
+    assert len(d["goals"]) == 2
+    _goals(d)
+
+
+def test_sidechannel(tmp_path):
+    d = _run("sidechannel", tmp_path)
+    assert set(d["results"]) == {"http", "https"}
+    for rows in d["results"].values():
+        assert [r["clients"] for r in rows] == d["config"]["levels"]
+        for r in rows:
+            assert r["errors"] == 0, r["error_kinds"]
+            _positive(r["handshakes"], r["handshakes_per_s"], r["latency_ms"]["p50"],
+                      r["latency_ms"]["p99"], r["server_cpu_seconds"],
+                      r["server_peak_rss_mib"])
+    _goals(d)
+
+
+def test_transfer(tmp_path):
+    d = _run("transfer", tmp_path)
+    assert len(d["results"]) == len(d["config"]["blocks"]) * len(d["config"]["block_bytes"])
+    for r in d["results"]:
+        _positive(r["bytes"], r["nixl_contiguous"]["gb_per_s"],
+                  r["nixl_contiguous"]["descs_per_s"], r["memcpy_contiguous"]["gb_per_s"],
+                  r["tcp_contiguous"]["gb_per_s"], r["nixl_over_memcpy"])
+        if r["blocks"] > 1:
+            _positive(r["nixl_scattered"]["gb_per_s"], r["memcpy_scattered"]["gb_per_s"])
+    _goals(d)
+
+
+@pytest.mark.timeout(120)
+def test_serve(tmp_path):
+    """Starts four processes (prefill, decode, proxy, monolithic): the slowest smoke test."""
+    d = _run("serve", tmp_path)
+    for setup in ("pd", "mono"):
+        assert [r["concurrency"] for r in d["results"][setup]] == d["config"]["levels"]
+        for r in d["results"][setup]:
+            assert r["errors"] == 0, r["error_samples"]
+            _positive(r["tokens_per_s"], r["ttft_ms"]["p50"], r["ttft_ms"]["p99"],
+                      r["itl_ms"]["p50"], r["output_tokens"])
+        for which in ("first", "second"):
+            _positive(d["first_requests"][setup][which]["ttft_ms"])
+    _positive(d["first_requests"]["pd"]["first"]["decode_handshake_ms"])
+    for o in d["pd_over_mono"]:
+        _positive(o["ttft_p50"], o["itl_p50"], o["tokens_per_s"])

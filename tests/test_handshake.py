@@ -1,0 +1,739 @@
+"""The side channel end to end: real uvicorn / ZMQ servers on 127.0.0.1, real TLS, real clients.
+
+The ranks carry synthetic agent metadata: no NIXL here.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import random
+import socket
+import ssl
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import trustme
+import zmq
+
+from kvbridge.config import SideChannelConfig, TLSConfig
+from kvbridge.errors import (
+    AuthError,
+    CompatibilityError,
+    HandshakeError,
+    HandshakeTimeout,
+    WireFormatError,
+)
+from kvbridge.handshake import make_client, make_server
+from kvbridge.handshake.base import MAX_REQUEST_BYTES, HandshakeClient, HandshakeServer
+from kvbridge.handshake.http import MSGPACK, PATH, HttpHandshakeClient, HttpHandshakeServer
+from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer, ZmqReply, ZmqRequest
+from kvbridge.metadata import SCHEMA_VERSION, encode_envelope
+from tests.helpers import (
+    CountingStore,
+    RawServer,
+    compat,
+    full_store,
+    rank_meta,
+    read_request,
+    refused_port,
+)
+
+TOKEN = "hs-token-5b2d0e"
+HOST = "127.0.0.1"
+METHODS = ["http", "zmq"]
+TIMEOUT = 0.5  # for the tests that wait for a timeout
+MARGIN = 1.5
+pack = msgspec.msgpack.encode
+
+
+# --- servers and clients ----------------------------------------------------------------------
+
+def server_tls(certs: Path, cert_reqs: int = ssl.CERT_NONE) -> TLSConfig:
+    return TLSConfig(str(certs / "prefill.pem"), str(certs / "prefill.key"),
+                     str(certs / "ca.pem"), cert_reqs)
+
+
+def client_tls(certs: Path, ca: str = "ca.pem", cert: bool = False) -> TLSConfig:
+    if cert:
+        return TLSConfig(str(certs / "decode.pem"), str(certs / "decode.key"), str(certs / ca))
+    return TLSConfig(ca_certs=str(certs / ca))
+
+
+@contextlib.contextmanager
+def serve(method: str, store, certs: Path | None = None, token: str | None = TOKEN,
+          cert_reqs: int = ssl.CERT_NONE) -> Iterator[HandshakeServer]:
+    if method == "http":
+        tls = server_tls(certs, cert_reqs) if certs is not None else None
+        server: HandshakeServer = HttpHandshakeServer(store, HOST, 0, token=token, tls=tls)
+    else:
+        server = ZmqHandshakeServer(store, HOST, 0, token=token)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def clients() -> Iterator:
+    made: list[HandshakeClient] = []
+
+    def make(method: str, certs: Path | None = None, *, token: str | None = TOKEN,
+             timeout: float = 10.0, expected=None, max_message_bytes: int | None = None,
+             tls: TLSConfig | None = None) -> HandshakeClient:
+        expected = compat() if expected is None else expected
+        kw = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
+        if method == "http":
+            tls = tls or (client_tls(certs) if certs is not None else None)
+            c: HandshakeClient = HttpHandshakeClient(timeout, expected, token, tls=tls, **kw)
+        else:
+            c = ZmqHandshakeClient(timeout, expected, token, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def store() -> CountingStore:
+    return full_store(2)
+
+
+@pytest.fixture(scope="module")
+def servers(store, certs) -> Iterator[dict[str, HandshakeServer]]:
+    """One http (TLS + token) and one zmq (token) server on the same full store."""
+    with serve("http", store, certs) as http, serve("zmq", store) as zmq_server:
+        yield {"http": http, "zmq": zmq_server}
+
+
+def _client_certs(method: str, certs: Path) -> Path | None:
+    return certs if method == "http" else None
+
+
+def _elapsed(fn) -> tuple[BaseException, float]:
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as ei:
+        fn()
+    return ei.value, time.monotonic() - t0
+
+
+# --- fetching ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", METHODS)
+def test_fetch_all_ranks(servers, store, clients, certs, method):
+    client = clients(method, _client_certs(method, certs))
+    ranks = client.fetch(HOST, servers[method].port)
+    assert ranks == [rank_meta(0), rank_meta(1)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fetch_one_rank(servers, store, clients, certs, method, rank):
+    client = clients(method, _client_certs(method, certs))
+    before = len(store.requests)
+    assert client.fetch(HOST, servers[method].port, rank) == [rank_meta(rank)]
+    assert store.requests[before:] == [rank]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_store_not_complete(clients, certs, method):
+    store = CountingStore(compat(), 2)
+    store.set_rank(rank_meta(1))
+    with serve(method, store, _client_certs(method, certs)) as server:
+        client = clients(method, _client_certs(method, certs))
+        with pytest.raises(HandshakeError, match=r"503.*1/2 ranks in; not ready") as ei:
+            client.fetch(HOST, server.port, 1)
+        assert not isinstance(ei.value, HandshakeTimeout)
+        store.set_rank(rank_meta(0))
+        assert client.fetch(HOST, server.port, 1) == [rank_meta(1)]
+        client.close()
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rank", [2, 7, 999999])
+def test_rank_out_of_range(servers, clients, certs, method, rank):
+    client = clients(method, _client_certs(method, certs))
+    with pytest.raises(HandshakeError, match=f"404.*no tp_rank {rank}: tp_size is 2"):
+        client.fetch(HOST, servers[method].port, rank)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_make_server_and_client_from_settings(certs, clients, method):
+    tls = {}
+    if method == "http":
+        tls = dict(ssl_certfile=str(certs / "prefill.pem"), ssl_keyfile=str(certs / "prefill.key"),
+                   ssl_ca_certs=str(certs / "ca.pem"))
+    config = SideChannelConfig.load({"handshake_method": method, "token": TOKEN,
+                                     "side_channel_port": 0, **tls}, environ={})
+    store = full_store(2)
+    with make_server(config, store) as server:
+        assert server.method == method and server.port != 0
+        client = make_client(config, compat())
+        try:
+            assert client.method == method
+            assert client.fetch(HOST, server.port) == [rank_meta(0), rank_meta(1)]
+        finally:
+            client.close()
+
+
+def test_http_server_stops_with_idle_tls_clients_connected(certs, clients):
+    """A decode keeps its TLS connection pooled: stopping the prefill must not hang on it."""
+    server = HttpHandshakeServer(full_store(2), HOST, 0, token=TOKEN, tls=server_tls(certs))
+    server.start()
+    client = clients("http", certs)
+    port = server.port
+    assert len(client.fetch(HOST, port)) == 2  # the connection stays in the pool
+    server.stop()
+    assert not server._thread.is_alive()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((HOST, port), timeout=5).close()
+
+
+def test_http_server_sets_tcp_nodelay(servers, clients, certs):
+    """Replies go out in two writes (head, body): with Nagle on, every keep-alive request
+    would wait for the client's delayed ACK (~40 ms per handshake)."""
+    client = clients("http", certs)
+    client.fetch(HOST, servers["http"].port, 0)
+    conns = list(servers["http"]._server.server_state.connections)
+    assert conns
+    for conn in conns:
+        sock = conn.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+# --- http specifics ---------------------------------------------------------------------------
+
+def _raw_client(certs: Path) -> httpx.Client:
+    return httpx.Client(verify=client_tls(certs).client_context(), trust_env=False, timeout=10)
+
+
+def _url(server: HandshakeServer, path: str) -> str:
+    return f"https://{HOST}:{server.port}{path}"
+
+
+SECRETS = ("agent-prefill-0", "prefill-0", "NIXLMD", "epoch-a")
+
+
+def _assert_no_metadata(body: bytes) -> None:
+    low = body.lower()
+    for s in SECRETS:
+        assert s.lower().encode() not in low, body
+    base = rank_meta(0).kv.base_addrs[0]
+    assert str(base).encode() not in body and hex(base).encode() not in low
+
+
+def test_probes_without_token_reveal_nothing(certs):
+    store = CountingStore(compat(), 2)
+    store.set_rank(rank_meta(0))
+    with serve("http", store, certs) as server, _raw_client(certs) as http:
+        r = http.get(_url(server, "/healthz"))
+        assert r.status_code == 200
+        _assert_no_metadata(r.content)
+        r = http.get(_url(server, "/readyz"))
+        assert r.status_code == 503
+        _assert_no_metadata(r.content)
+        store.set_rank(rank_meta(1))
+        r = http.get(_url(server, "/readyz"))
+        assert r.status_code == 200
+        _assert_no_metadata(r.content)
+        assert r.text == "ready"
+        assert store.requests == []  # probes never touch the metadata
+
+
+def test_json_view(servers, certs):
+    with _raw_client(certs) as http:
+        headers = {"accept": "application/json", "authorization": f"Bearer {TOKEN}"}
+        r = http.get(_url(servers["http"], PATH), headers=headers)
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        view = r.json()
+        assert view["schema_version"] == SCHEMA_VERSION
+        assert view["compat"]["dtype"] == "float16"
+        assert [x["tp_rank"] for x in view["ranks"]] == [0, 1]
+        assert view["ranks"][1]["agent_name"] == rank_meta(1).agent_name
+        assert base64.b64decode(view["ranks"][1]["agent_metadata"]) == rank_meta(1).agent_metadata
+        assert view["ranks"][0]["kv"]["base_addrs"] == rank_meta(0).kv.base_addrs
+        r = http.get(_url(servers["http"], PATH + "/1"), headers=headers)
+        assert [x["tp_rank"] for x in r.json()["ranks"]] == [1]
+        # without the JSON accept header: the msgpack envelope
+        r = http.get(_url(servers["http"], PATH), headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.headers["content-type"] == MSGPACK
+        assert r.content == encode_envelope(compat(), [rank_meta(0), rank_meta(1)])
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("token", [None, "wrong-token", TOKEN + "x", TOKEN[:-1], ""])
+def test_bad_token(servers, store, clients, certs, method, token):
+    client = clients(method, _client_certs(method, certs), token=token)
+    before = len(store.requests)
+    with pytest.raises(AuthError, match="(?i)token"):
+        client.fetch(HOST, servers[method].port)
+    assert len(store.requests) == before  # refused before the store is asked
+
+
+@pytest.mark.parametrize("auth", [None, "", "Bearer", "Bearer wrong", f"Basic {TOKEN}",
+                                  f"Token {TOKEN}", f"Bearer  {TOKEN}"])
+@pytest.mark.parametrize("path", [PATH, PATH + "/0", PATH + "/5"])
+def test_401_reveals_no_metadata(servers, certs, auth, path):
+    headers = {} if auth is None else {"authorization": auth}
+    with _raw_client(certs) as http:
+        for accept in (MSGPACK, "application/json"):
+            r = http.get(_url(servers["http"], path), headers={**headers, "accept": accept})
+            assert r.status_code == 401
+            _assert_no_metadata(r.content)
+            assert r.json() == {"error": "missing or invalid bearer token"}
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_zmq_401_reveals_no_metadata(servers, token):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{HOST}:{servers['zmq'].port}")
+        for rank in (None, 0, 5):
+            sock.send_multipart([b"", pack(ZmqRequest(SCHEMA_VERSION, token, rank))])
+            assert sock.poll(10_000)
+            frames = sock.recv_multipart()
+            reply = msgspec.msgpack.decode(frames[-1], type=ZmqReply)
+            assert (reply.status, reply.envelope) == (401, b"")
+            _assert_no_metadata(frames[-1])
+    finally:
+        sock.close(linger=0)
+
+
+def test_bearer_scheme_is_case_insensitive(servers, certs):
+    with _raw_client(certs) as http:
+        r = http.get(_url(servers["http"], PATH), headers={"authorization": f"bearer {TOKEN}"})
+        assert r.status_code == 200
+
+
+def test_plaintext_client_against_tls_server(servers, clients):
+    client = clients("http", None)  # no CA: plain http
+    assert client.scheme == "http"
+    err, elapsed = _elapsed(lambda: client.fetch(HOST, servers["http"].port))
+    assert isinstance(err, HandshakeError) and not isinstance(err, HandshakeTimeout), err
+    assert "TLS" in str(err)
+    assert elapsed < client.timeout
+
+
+def test_server_certificate_from_untrusted_ca(servers, clients, certs):
+    client = clients("http", tls=client_tls(certs, ca="other-ca.pem"))
+    err, elapsed = _elapsed(lambda: client.fetch(HOST, servers["http"].port))
+    assert isinstance(err, HandshakeError) and not isinstance(err, HandshakeTimeout), err
+    assert "TLS" in str(err) and "certificate" in str(err).lower()
+    assert elapsed < client.timeout
+
+
+def test_server_certificate_for_another_host(servers, clients, tmp_path):
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    cert = ca.issue_cert("prefill.example")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "prefill.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "prefill.key"))
+    with serve("http", full_store(2), tmp_path) as server:
+        client = clients("http", tls=TLSConfig(ca_certs=str(tmp_path / "ca.pem")))
+        with pytest.raises(HandshakeError, match="(?i)certificate"):
+            client.fetch(HOST, server.port)
+
+
+@pytest.fixture(scope="module")
+def mtls_server(store, certs) -> Iterator[HandshakeServer]:
+    with serve("http", store, certs, cert_reqs=ssl.CERT_REQUIRED) as server:
+        yield server
+
+
+def test_mtls_client_certificate_missing(mtls_server, clients, certs):
+    client = clients("http", tls=client_tls(certs))
+    err, elapsed = _elapsed(lambda: client.fetch(HOST, mtls_server.port))
+    assert isinstance(err, HandshakeError) and not isinstance(err, HandshakeTimeout), err
+    assert "certificate" in str(err).lower()
+    assert elapsed < client.timeout
+
+
+def test_mtls_client_certificate_from_another_ca(mtls_server, clients, certs, tmp_path):
+    cert = trustme.CA().issue_cert("decode")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "c.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "c.key"))
+    client = clients("http", tls=TLSConfig(str(tmp_path / "c.pem"), str(tmp_path / "c.key"),
+                                           str(certs / "ca.pem")))
+    err, _ = _elapsed(lambda: client.fetch(HOST, mtls_server.port))
+    assert isinstance(err, HandshakeError) and not isinstance(err, HandshakeTimeout), err
+
+
+def test_mtls_with_the_right_client_certificate(mtls_server, clients, certs):
+    client = clients("http", tls=client_tls(certs, cert=True))
+    assert client.fetch(HOST, mtls_server.port, 0) == [rank_meta(0)]
+    # the token is still required on top of the certificate
+    client = clients("http", tls=client_tls(certs, cert=True), token="nope")
+    with pytest.raises(AuthError):
+        client.fetch(HOST, mtls_server.port, 0)
+
+
+# --- timeouts ---------------------------------------------------------------------------------
+
+def _assert_times_out(client: HandshakeClient, port: int, match: str = "") -> HandshakeTimeout:
+    err, elapsed = _elapsed(lambda: client.fetch(HOST, port))
+    assert isinstance(err, HandshakeTimeout), repr(err)
+    assert elapsed < TIMEOUT + MARGIN, elapsed
+    if match:
+        assert match in str(err), err
+    return err
+
+
+@pytest.mark.parametrize("method,tls", [("http", False), ("http", True), ("zmq", False)])
+def test_listening_but_never_accepting(clients, certs, method, tls):
+    with RawServer(None) as silent:
+        client = clients(method, certs if tls else None, timeout=TIMEOUT)
+        _assert_times_out(client, silent.port)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_accepting_but_never_answering(clients, certs, method):
+    accepted = threading.Event()
+
+    def hold(conn: socket.socket) -> None:
+        accepted.set()
+        srv.stopped.wait()
+
+    with RawServer(hold) as srv:
+        client = clients(method, _client_certs(method, certs), timeout=TIMEOUT)
+        _assert_times_out(client, srv.port)
+        assert accepted.is_set()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_refused_port_retries_until_the_deadline(clients, method):
+    client = clients(method, timeout=TIMEOUT)
+    # http sees each refusal and retries ("gave up"); zmq reconnects by itself until then
+    _assert_times_out(client, refused_port(), "gave up after" if method == "http" else "")
+
+
+# --- malformed and oversized replies ----------------------------------------------------------
+
+def _http_replier(response: bytes):
+    def handler(conn: socket.socket) -> None:
+        read_request(conn)
+        conn.sendall(response)
+        conn.close()
+    return handler
+
+
+def _http_200(body: bytes, chunked: bool = False) -> bytes:
+    if chunked:
+        chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 1000]), body[i:i + 1000])
+                          for i in range(0, len(body), 1000))
+        return (b"HTTP/1.1 200 OK\r\ncontent-type: application/vnd.msgpack\r\n"
+                b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n" + chunks + b"0\r\n\r\n")
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/vnd.msgpack\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % len(body)) + body
+
+
+@pytest.mark.parametrize("response", [
+    b"\x00\x01\x02garbage\xff\xfe\r\n\r\n",
+    b"SSH-2.0-OpenSSH_9.6\r\nInvalid SSH identification string.\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nshort",
+], ids=["binary", "ssh-banner", "truncated"])
+def test_http_garbage_reply(clients, response):
+    with RawServer(_http_replier(response)) as srv:
+        client = clients("http")
+        with pytest.raises(WireFormatError):
+            client.fetch(HOST, srv.port)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("chunked", [False, True])
+def test_http_200_with_random_body(clients, seed, chunked):
+    body = random.Random(seed).randbytes(random.Random(seed).randrange(1, 5000))
+    with RawServer(_http_replier(_http_200(body, chunked))) as srv:
+        client = clients("http")
+        with pytest.raises(WireFormatError, match=f"http://{HOST}:{srv.port}"):
+            client.fetch(HOST, srv.port)
+
+
+def test_http_reply_for_another_rank(clients):
+    body = encode_envelope(compat(), [rank_meta(0)])
+    with RawServer(_http_replier(_http_200(body))) as srv:
+        client = clients("http")
+        with pytest.raises(WireFormatError, match=r"answered ranks \[0\] when asked for rank 1"):
+            client.fetch(HOST, srv.port, 1)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_http_raw_reply_over_the_limit(clients, chunked):
+    body = encode_envelope(compat(), [rank_meta(0, 1, agent_metadata=b"m" * 50_000)])
+    with RawServer(_http_replier(_http_200(body, chunked))) as srv:
+        client = clients("http", max_message_bytes=10_000)
+        with pytest.raises(WireFormatError, match="exceeds the limit of 10000"):
+            client.fetch(HOST, srv.port)
+
+
+@pytest.fixture(scope="module")
+def big_servers(certs) -> Iterator[tuple[dict[str, HandshakeServer], int]]:
+    store = full_store(1, agent_metadata=os.urandom(64 * 1024))
+    size = len(store.reply(None).body)
+    with serve("http", store, certs) as http, serve("zmq", store) as zmq_server:
+        yield {"http": http, "zmq": zmq_server}, size
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_reply_just_over_the_limit(big_servers, clients, certs, method):
+    servers, size = big_servers
+    ok = clients(method, _client_certs(method, certs), max_message_bytes=size)
+    assert len(ok.fetch(HOST, servers[method].port)) == 1
+    client = clients(method, _client_certs(method, certs), max_message_bytes=size - 1)
+    with pytest.raises(WireFormatError, match=f"{size - 1}"):
+        client.fetch(HOST, servers[method].port)
+
+
+def test_zmq_reply_far_over_the_limit(big_servers, clients):
+    """libzmq drops the oversized reply: no answer, within the deadline."""
+    servers, size = big_servers
+    client = clients("zmq", max_message_bytes=size // 4, timeout=TIMEOUT)
+    _assert_times_out(client, servers["zmq"].port, f"over {size // 4} bytes")
+
+
+def test_http_reply_far_over_the_limit(big_servers, clients, certs):
+    servers, size = big_servers
+    client = clients("http", certs, max_message_bytes=size // 4)
+    with pytest.raises(WireFormatError, match=f"{size} bytes exceeds the limit of {size // 4}"):
+        client.fetch(HOST, servers["http"].port)
+
+
+@contextlib.contextmanager
+def zmq_replier(reply_frames) -> Iterator[int]:
+    """A raw ROUTER answering every request with ``reply_frames``."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port(f"tcp://{HOST}")
+    stop = threading.Event()
+
+    def run() -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not stop.is_set():
+            if poller.poll(50):
+                ident, *_ = sock.recv_multipart()
+                sock.send_multipart([ident, *reply_frames])
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        yield port
+    finally:
+        stop.set()
+        t.join(5)
+        sock.close(linger=0)
+
+
+@pytest.mark.parametrize("frames", [
+    [b"", b"\xc1garbage"],
+    [b"", b"random bytes that are not msgpack at all"],
+    [b"", pack({"status": 200, "error": "", "envelope": b"", "extra": 1})],
+    [b"", pack({"status": "200", "error": "", "envelope": b""})],
+    [b"", pack(ZmqReply(200, "", b"\x93\x01\x02\x03"))],
+    [b"", pack(ZmqReply(200, "", os.urandom(300)))],
+], ids=["c1", "text", "extra-field", "wrong-type", "bad-envelope", "random-envelope"])
+def test_zmq_garbage_reply(clients, frames):
+    with zmq_replier(frames) as port:
+        with pytest.raises(WireFormatError, match=f"zmq://{HOST}:{port}"):
+            clients("zmq").fetch(HOST, port)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_compat_mismatch(servers, clients, certs, method):
+    client = clients(method, _client_certs(method, certs), expected=compat(dtype="bfloat16"))
+    with pytest.raises(CompatibilityError) as ei:
+        client.fetch(HOST, servers[method].port)
+    assert set(ei.value.fields) == {"dtype"}
+    assert "dtype: ours='bfloat16' theirs='float16'" in str(ei.value)
+
+
+# --- robustness -------------------------------------------------------------------------------
+
+def _raw_exchange(port: int, data: bytes, ctx: ssl.SSLContext | None = None) -> bytes:
+    """Send ``data``, half-close, return whatever comes back until the server closes
+    (over TLS, which cannot half-close: until the end of the response head)."""
+    with socket.create_connection((HOST, port), timeout=10) as raw:
+        sock = ctx.wrap_socket(raw, server_hostname=HOST) if ctx else raw
+        out = b""
+        try:
+            sock.sendall(data)
+            if ctx is None:
+                sock.shutdown(socket.SHUT_WR)
+            while chunk := sock.recv(65536):
+                out += chunk
+                if ctx is not None and b"\r\n\r\n" in out:
+                    break
+        except (ConnectionError, ssl.SSLError):
+            pass
+        return out
+
+
+def _status(response: bytes) -> int | None:
+    if not response.startswith(b"HTTP/1.1 "):
+        return None
+    return int(response[9:12])
+
+
+def test_http_body_over_the_limit_is_413(servers, certs):
+    ctx = client_tls(certs).client_context()
+    for path in (PATH, PATH + "/0", "/healthz"):
+        request = (f"GET {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {TOKEN}\r\n"
+                   f"content-length: {MAX_REQUEST_BYTES + 1}\r\n\r\n").encode()
+        assert _status(_raw_exchange(servers["http"].port, request, ctx)) == 413
+    with _raw_client(certs) as http:
+        r = http.request("GET", _url(servers["http"], PATH), content=b"x" * (MAX_REQUEST_BYTES + 1),
+                         headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 413
+        assert b"prefill" not in r.content
+        # at the limit the body is accepted (and ignored)
+        r = http.request("GET", _url(servers["http"], PATH), content=b"x" * MAX_REQUEST_BYTES,
+                         headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200
+
+
+def _garbage_requests(rng: random.Random) -> list[bytes]:
+    auth = f"authorization: Bearer {TOKEN}\r\n"
+    out = []
+    for _ in range(60):
+        out.append(rng.randbytes(rng.randrange(1, 2000)))
+    for _ in range(20):  # huge headers
+        out.append(f"GET {PATH} HTTP/1.1\r\nhost: x\r\n{auth}x-junk: ".encode()
+                   + b"a" * rng.randrange(MAX_REQUEST_BYTES, 4 * MAX_REQUEST_BYTES) + b"\r\n\r\n")
+    for _ in range(20):  # many headers
+        out.append(f"GET {PATH} HTTP/1.1\r\nhost: x\r\n{auth}".encode()
+                   + b"".join(b"h%d: v\r\n" % i for i in range(rng.randrange(500, 3000)))
+                   + b"\r\n")
+    for _ in range(20):  # bodies over the limit, lying or bad content-lengths
+        cl = rng.choice([str(MAX_REQUEST_BYTES + rng.randrange(1, 10**9)), "-1", "abc", "1e9",
+                         "99999999999999999999999"])
+        out.append(f"GET {PATH}/0 HTTP/1.1\r\nhost: x\r\n{auth}content-length: {cl}\r\n\r\n"
+                   .encode() + rng.randbytes(100))
+    for _ in range(20):  # broken request lines and versions
+        out.append(rng.choice([b"GET\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", b"\r\n\r\n\r\n",
+                               b"GET /v1/kv/handshake HTTP/1.1\r\n\r\n",  # no host
+                               b"GET /v1/kv/handshake HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n",
+                               b"BREW /v1/kv/handshake HTTP/1.1\r\nhost: x\r\n\r\n",
+                               b"GET " + b"/a" * 20000 + b" HTTP/1.1\r\nhost: x\r\n\r\n"]))
+    return out
+
+
+def _garbage_paths(rng: random.Random) -> list[str]:
+    fixed = ["/", "/v1", "/v1/kv", PATH + "/", PATH + "/-1", PATH + "/abc", PATH + "/1.0",
+             PATH + "/0x1", PATH + "/1e3", PATH + "/\u0663", PATH + "/%31", PATH + "/0/0",
+             PATH + "/" + "9" * 40, PATH + "/%00", "/../../etc/passwd", "/healthz/x",
+             PATH + "?tp_rank=0", "/" + "x" * 8000]
+    alphabet = "abc019-._~%/:@!$&'()*+,;=\u00e9\u4e2d"
+    rand = ["/" + "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 60)))
+            for _ in range(80)]
+    return fixed + rand
+
+
+def test_http_survives_malformed_requests(certs, store):
+    rng = random.Random(1234)
+    # plaintext so the garbage reaches the HTTP parser and the app, with the token so that
+    # requests pass authentication and reach the rank parsing
+    with serve("http", store, None) as server, serve("http", store, certs) as tls_server:
+        statuses = Counter(_status(_raw_exchange(server.port, data))
+                           for data in _garbage_requests(rng))
+        # refused (4xx or closed), or answered when the request was well-formed after all
+        # (large heads that arrive in one read are within uvicorn's limits); never a 5xx
+        assert set(statuses) <= {None, 200, 400, 404, 405, 413, 414, 431}, statuses
+        assert statuses[413] and statuses[400], statuses
+
+        with httpx.Client(trust_env=False, timeout=10) as http:
+            headers = {"authorization": f"Bearer {TOKEN}"}
+            paths = Counter()
+            for path in _garbage_paths(rng):
+                r = http.get(f"http://{HOST}:{server.port}{path}", headers=headers)
+                paths[r.status_code] += 1
+                assert r.status_code < 500, (path, r)
+                if r.status_code == 200:  # e.g. /v1/kv/handshake?x or .../%31 (= /1)
+                    assert r.content.startswith(b"\x84\xaeschema_version"), path
+            assert paths[404] > 80, paths
+            for m in ("POST", "PUT", "DELETE", "PATCH"):
+                r = http.request(m, f"http://{HOST}:{server.port}{PATH}", headers=headers)
+                assert r.status_code == 405
+
+        for _ in range(40):  # plaintext and junk on the TLS port
+            _raw_exchange(tls_server.port, rng.randbytes(rng.randrange(1, 3000)))
+
+        for port, c in ((server.port, None), (tls_server.port, certs)):
+            client = HttpHandshakeClient(5, compat(), TOKEN,
+                                         tls=client_tls(c) if c else None)
+            try:
+                assert client.fetch(HOST, port, 1) == [rank_meta(1)]
+            finally:
+                client.close()
+
+
+def test_zmq_survives_malformed_requests(store, clients):
+    rng = random.Random(99)
+    with serve("zmq", store) as server:
+        ctx = zmq.Context.instance()
+        endpoint = f"tcp://{HOST}:{server.port}"
+
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+        answered: list[list[bytes]] = []
+        expect = []
+        payloads = [rng.randbytes(rng.randrange(0, 500)) for _ in range(100)]
+        payloads += [
+            pack({"schema_version": SCHEMA_VERSION, "token": TOKEN, "tp_rank": "0"}),
+            pack({"schema_version": SCHEMA_VERSION, "token": TOKEN, "tp_rank": 0, "x": 1}),
+            pack({"schema_version": SCHEMA_VERSION, "token": TOKEN}),
+            pack({"schema_version": SCHEMA_VERSION + 1, "token": TOKEN, "tp_rank": 0}),
+            pack({"schema_version": SCHEMA_VERSION, "token": 5, "tp_rank": 0}),
+            pack([SCHEMA_VERSION, TOKEN, 0]),
+            pack(None), b"", b"\xc1",
+        ]
+        for p in payloads:
+            dealer.send_multipart([b"", p])
+            expect.append(400)
+        for rank in (-1, 2, 2**40, 2**64 - 1):
+            dealer.send_multipart([b"", pack(ZmqRequest(SCHEMA_VERSION, TOKEN, rank))])
+            expect.append(404)
+        for frames in ([b"no-delimiter"], [b"", b"a", b"b"], [b"x", b"y", b"z", b"w"],
+                       [b"", b""]):
+            dealer.send_multipart(frames)
+            expect.append(400)
+        for _ in range(len(expect)):
+            assert dealer.poll(10_000), "the server stopped answering"
+            answered.append(dealer.recv_multipart())
+        statuses = [msgspec.msgpack.decode(f[-1], type=ZmqReply).status for f in answered]
+        assert statuses == expect
+        dealer.close(linger=0)
+
+        # messages over the request limit: libzmq drops the connection, no reply
+        big = ctx.socket(zmq.DEALER)
+        big.setsockopt(zmq.LINGER, 0)
+        big.connect(endpoint)
+        for _ in range(5):
+            big.send_multipart([b"", b"\x00" * (MAX_REQUEST_BYTES + 1)])
+        big.close(linger=0)
+
+        # raw TCP garbage and a truncated ZMTP greeting on the zmq port
+        for _ in range(40):
+            _raw_exchange(server.port, rng.randbytes(rng.randrange(1, 2000)))
+        _raw_exchange(server.port, b"\xff" + b"\x00" * 8 + b"\x7f\x03")
+
+        # a REQ client (adds its own delimiter) and the real client still work
+        req = ctx.socket(zmq.REQ)
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(endpoint)
+        req.send(pack(ZmqRequest(SCHEMA_VERSION, TOKEN, 0)))
+        assert req.poll(10_000)
+        assert msgspec.msgpack.decode(req.recv(), type=ZmqReply).status == 200
+        req.close(linger=0)
+        assert clients("zmq").fetch(HOST, server.port) == [rank_meta(0), rank_meta(1)]
