@@ -118,8 +118,11 @@ class SideChannelConfig:
         """Refuse unsafe or inconsistent settings with a message saying what to change."""
         if self.handshake_method not in METHODS:
             raise ConfigError(f"handshake method {self.handshake_method!r}: use one of {METHODS}")
-        if not self.handshake_timeout > 0:
-            raise ConfigError(f"handshake timeout must be > 0 seconds, got {self.handshake_timeout}")
+        if not 0 < self.handshake_timeout <= 3600:
+            raise ConfigError(f"handshake timeout must be in (0, 3600] seconds, got "
+                              f"{self.handshake_timeout}")
+        if not 1024 <= self.max_message_bytes <= 1 << 30:
+            raise ConfigError(f"max_message_bytes {self.max_message_bytes} outside 1 KiB .. 1 GiB")
         if not 0 <= self.side_channel_port <= 65535:
             raise ConfigError(f"side channel port {self.side_channel_port} out of range")
         if _is_wildcard(self.advertised):
@@ -128,6 +131,10 @@ class SideChannelConfig:
                 "set KVBRIDGE_ADVERTISE_HOST (--advertise-host) to an address peers can reach")
         if self.ssl_keyfile and not self.ssl_certfile:
             raise ConfigError("TLS key given without a certificate (ssl_certfile)")
+        if self.ssl_cert_reqs != ssl.CERT_NONE and not self.ssl_certfile:
+            # uvicorn would serve plaintext: no certificate, no TLS, no client check
+            raise ConfigError("client certificates required (ssl_cert_reqs) but no server "
+                              "certificate (ssl_certfile): TLS would be off")
         if self.ssl_cert_reqs != ssl.CERT_NONE and not self.ssl_ca_certs:
             raise ConfigError("client certificates required but no CA bundle (ssl_ca_certs) "
                               "to verify them")

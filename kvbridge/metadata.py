@@ -19,6 +19,7 @@ import msgspec
 from kvbridge.errors import CompatibilityError, SchemaVersionError, WireFormatError
 
 SCHEMA_VERSION = 1
+DTYPE_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
@@ -177,8 +178,17 @@ def _check_rank(r: RankMetadata, compat: Compat) -> None:
         problems.append(f"{len(kv.base_addrs)} base addresses for {kv.num_layers} layers")
     if kv.num_blocks <= 0 or kv.block_size <= 0 or kv.kv_heads_per_rank <= 0 or kv.head_dim <= 0:
         problems.append("non-positive size field")
-    elif kv.block_len % kv.kv_heads_per_rank:
-        problems.append(f"block_len {kv.block_len} not a multiple of heads per rank")
+    else:
+        heads = max(1, kv.total_kv_heads // r.tp_size) if r.tp_size > 0 else 0
+        if kv.kv_heads_per_rank != heads:
+            problems.append(f"kv_heads_per_rank {kv.kv_heads_per_rank}, expected {heads} for "
+                            f"{kv.total_kv_heads} heads over tp_size {r.tp_size}")
+        itemsize = DTYPE_SIZES.get(kv.dtype)
+        if itemsize is None:
+            problems.append(f"unknown dtype {kv.dtype!r}")
+        elif kv.block_len != kv.kv_heads_per_rank * kv.block_size * kv.head_dim * itemsize:
+            problems.append(f"block_len {kv.block_len} is not heads x block_size x head_dim x "
+                            f"{itemsize} B")
     for name in ("dtype", "total_kv_heads", "head_dim", "num_layers", "layout", "block_size"):
         if getattr(kv, name) != getattr(compat, name):
             problems.append(f"kv.{name}={getattr(kv, name)!r} disagrees with the envelope")

@@ -195,17 +195,25 @@ class NixlAgent:
             except Exception as e:
                 raise TransferError(f"READ from {peer.agent_name} could not be built: "
                                     f"{type(e).__name__}: {e}") from e
-            state = self._agent.transfer(handle)
+            try:  # a dead peer raises here (NIXL_ERR_REMOTE_DISCONNECT) rather than "ERR"
+                state = self._agent.transfer(handle)
+            except Exception as e:
+                state, why = "ERR", f": {type(e).__name__}: {e}"
+            else:
+                why = ""
             if state == "ERR":
                 self._agent.release_xfer_handle(handle)
         if state == "ERR":
-            raise TransferError(f"READ from {peer.agent_name} could not start")
+            raise TransferError(f"READ from {peer.agent_name} could not start{why}")
         return PendingRead(handle, peer.agent_name)
 
     def poll(self, pending: PendingRead) -> str:
         """"DONE", "PROC" or "ERR"; the handle is released once the read ended."""
         with self._lock:
-            state = self._agent.check_xfer_state(pending.handle)
+            try:
+                state = self._agent.check_xfer_state(pending.handle)
+            except Exception:  # NIXL raises on some failures instead of reporting "ERR"
+                state = "ERR"
             if state != "PROC":
                 self._agent.release_xfer_handle(pending.handle)
         return state

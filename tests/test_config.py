@@ -37,10 +37,23 @@ def test_kvbridge_environment():
     c = load(KVBRIDGE_HANDSHAKE_METHOD="HTTP", KVBRIDGE_HANDSHAKE_TIMEOUT="2.5",
              KVBRIDGE_SIDE_CHANNEL_HOST="10.1.2.3", KVBRIDGE_SIDE_CHANNEL_PORT="7001",
              KVBRIDGE_ADVERTISE_HOST="node-a", KVBRIDGE_MAX_MESSAGE_BYTES="1024",
-             KVBRIDGE_SSL_CERT_REQS="CERT_REQUIRED", KVBRIDGE_SSL_CA_CERTS="/x/ca.pem")
+             KVBRIDGE_SSL_CERT_REQS="CERT_REQUIRED", KVBRIDGE_SSL_CA_CERTS="/x/ca.pem",
+             KVBRIDGE_SSL_CERTFILE="/x/server.pem")
     assert (c.handshake_method, c.handshake_timeout, c.side_channel_host, c.side_channel_port,
             c.advertised, c.max_message_bytes) == ("http", 2.5, "10.1.2.3", 7001, "node-a", 1024)
     assert c.ssl_cert_reqs == ssl.CERT_REQUIRED
+
+
+def test_client_certificates_required_without_a_server_certificate_is_refused():
+    """uvicorn would then serve plaintext with no client check at all."""
+    with pytest.raises(ConfigError, match="TLS would be off"):
+        load(KVBRIDGE_SSL_CERT_REQS="required", KVBRIDGE_SSL_CA_CERTS="/x/ca.pem")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1"])
+def test_timeout_must_be_finite_and_positive(value):
+    with pytest.raises(ConfigError, match="handshake timeout"):
+        load(KVBRIDGE_HANDSHAKE_TIMEOUT=value)
 
 
 def test_vllm_aliases():
@@ -119,7 +132,8 @@ def test_tls_key_without_cert(tmp_path):
 @pytest.mark.parametrize("value,mode", [("none", ssl.CERT_NONE), ("OPTIONAL", ssl.CERT_OPTIONAL),
                                         ("cert_required", ssl.CERT_REQUIRED), ("1", 1), (2, 2)])
 def test_cert_reqs_values(value, mode):
-    assert load({"ssl_cert_reqs": value, "ssl_ca_certs": "/x/ca.pem"}).ssl_cert_reqs == mode
+    assert load({"ssl_cert_reqs": value, "ssl_ca_certs": "/x/ca.pem",
+                 "ssl_certfile": "/x/server.pem"}).ssl_cert_reqs == mode
 
 
 @pytest.mark.parametrize("value", [5, -1, True])
@@ -130,7 +144,7 @@ def test_cert_reqs_out_of_range(value):
 
 def test_client_certs_required_without_ca():
     with pytest.raises(ConfigError, match="ssl_ca_certs"):
-        load({"ssl_cert_reqs": "required"})
+        load({"ssl_cert_reqs": "required", "ssl_certfile": "/x/server.pem"})
 
 
 def test_tls_settings(certs):

@@ -240,10 +240,18 @@ def test_non_positive_sizes(field):
         decode_envelope(encode_envelope(compat_of(MODEL, kv), [rank_meta(0, kv=kv)]), None)
 
 
-def test_block_len_not_a_multiple_of_heads():
+def test_block_len_must_match_the_shape():
+    """A peer must not steer descriptors by misreporting its block length."""
     kv = layout(1)  # 4 heads per rank
     kv = msgspec.structs.replace(kv, block_len=kv.block_len + 2)
-    with pytest.raises(WireFormatError, match="not a multiple of heads per rank"):
+    with pytest.raises(WireFormatError, match="block_len .* is not heads x block_size"):
+        decode_envelope(encode_envelope(compat(), [rank_meta(0, 1, kv=kv)]), compat())
+
+
+def test_heads_per_rank_must_match_tp_size():
+    kv = layout(2)  # 2 heads per rank over tp 2 ...
+    with pytest.raises(WireFormatError, match="kv_heads_per_rank 2, expected 4"):
+        # ... claimed by a rank of a tp-1 instance, which must hold all 4
         decode_envelope(encode_envelope(compat(), [rank_meta(0, 1, kv=kv)]), compat())
 
 

@@ -94,7 +94,12 @@ class NixlWorkerConnector:
             for spec in meta.loads:
                 self._start(spec)
         for rid, load in list(self._loads.items()):
-            err = self._advance(load)
+            try:
+                err = self._advance(load)
+            except Exception as e:  # one request's failure must never stop the engine
+                log.exception("load of %s failed unexpectedly", rid)
+                self.peers.invalidate(load.spec.remote_engine_id)
+                err = f"{type(e).__name__}: {e}"
             if err is None and load.reads is not None and not load.reads:
                 out.loaded.append(rid)
                 del self._loads[rid]

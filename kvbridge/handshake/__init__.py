@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 from kvbridge.config import SideChannelConfig
 from kvbridge.handshake.base import HandshakeClient, HandshakeServer, MetadataStore
 from kvbridge.handshake.http import HttpHandshakeClient, HttpHandshakeServer
 from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer
 from kvbridge.metadata import Compat
+
+log = logging.getLogger(__name__)
 
 __all__ = ["HandshakeClient", "HandshakeServer", "MetadataStore", "make_client", "make_server"]
 
@@ -18,6 +22,9 @@ def make_server(config: SideChannelConfig, store: MetadataStore,
     if config.handshake_method == "http":
         return HttpHandshakeServer(store, config.side_channel_host, port, token=config.token,
                                    tls=config.tls)
+    if config.tls.enabled:
+        log.warning("TLS settings do not apply to the zmq side channel: metadata and token "
+                    "travel in clear (use --handshake http for TLS)")
     return ZmqHandshakeServer(store, config.side_channel_host, port, token=config.token)
 
 

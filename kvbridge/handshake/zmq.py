@@ -91,11 +91,11 @@ class ZmqHandshakeServer(HandshakeServer):
             req = _req_decoder.decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
             return ZmqReply(400, f"malformed request: {e}", b"")
+        if not token_ok(self._token, req.token):  # first: strangers learn nothing, not even
+            return ZmqReply(401, "missing or invalid token", b"")  # our schema version
         if req.schema_version != SCHEMA_VERSION:
             return ZmqReply(400, f"request schema v{req.schema_version}, server speaks "
                                  f"v{SCHEMA_VERSION}", b"")
-        if not token_ok(self._token, req.token):
-            return ZmqReply(401, "missing or invalid token", b"")
         reply = self._store.reply(req.tp_rank)
         return ZmqReply(reply.status, reply.error, reply.body)
 
@@ -110,8 +110,9 @@ class ZmqHandshakeServer(HandshakeServer):
             ident, rest = frames[0], frames[1:]
             payload = rest[-1] if rest else b""
             delim = [b""] if len(rest) == 2 and rest[0] == b"" else []
+            well_formed = len(rest) == 1 or (len(rest) == 2 and rest[0] == b"")
             try:
-                reply = self.handle(payload) if len(rest) in (1, 2) else ZmqReply(
+                reply = self.handle(payload) if well_formed else ZmqReply(
                     400, "malformed request: unexpected frames", b"")
                 self._sock.send_multipart([ident, *delim, _encoder.encode(reply)])
             except Exception:  # one bad peer must not stop the side channel
