@@ -43,12 +43,20 @@ class AuthError(HandshakeError):
     """The side channel refused our credentials (token or certificate)."""
 
 
+class PeerMismatch(HandshakeError):
+    """The peer is not the one the request named (engine id, TP size)."""
+
+
 class EpochChanged(HandshakeError):
     """The peer restarted: its instance epoch differs from the one expected."""
 
 
 class TransferError(KVBridgeError):
     """A NIXL transfer failed or could not be built."""
+
+
+class InvalidBlockIds(TransferError):
+    """Block ids outside the cache they name."""
 
 
 class TPMappingError(KVBridgeError, ValueError):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvbridge.errors import EpochChanged, HandshakeError
+from kvbridge.errors import EpochChanged, PeerMismatch
 from kvbridge.handshake.base import HandshakeClient
 from kvbridge.metadata import RankMetadata
 from kvbridge.tp_mapping import plan_reads
@@ -94,7 +94,7 @@ class PeerManager:
                 fut = self._handshakes.submit(self._timed, engine_id, host, port, remote_tp,
                                               method)
                 self._peers[engine_id] = fut
-        return fut if epoch is None else _check_epoch(fut, epoch)
+        return _checked(fut, epoch, remote_tp)
 
     def invalidate(self, engine_id: str) -> None:
         """Forget a peer (e.g. after a failed transfer); the next connect handshakes again."""
@@ -142,10 +142,10 @@ class PeerManager:
         epochs = {m.epoch for m in metas.values()}
         for r, m in metas.items():
             if m.engine_id != engine_id:
-                raise HandshakeError(f"{host}:{port} is engine {m.engine_id!r}, "
+                raise PeerMismatch(f"{host}:{port} is engine {m.engine_id!r}, "
                                      f"expected {engine_id!r}")
             if m.tp_size != remote_tp:
-                raise HandshakeError(f"{engine_id} rank {r} reports tp_size {m.tp_size}, "
+                raise PeerMismatch(f"{engine_id} rank {r} reports tp_size {m.tp_size}, "
                                      f"expected {remote_tp}")
         if len(epochs) != 1:
             raise EpochChanged(f"{engine_id} restarted during the handshake (epochs {epochs})")
@@ -172,18 +172,24 @@ class PeerManager:
                 log.debug("disconnect %s: %s", rr.agent_name, e)
 
 
-def _check_epoch(fut: Future[Peer], epoch: str) -> Future[Peer]:
+def _checked(fut: Future[Peer], epoch: str | None, tp_size: int) -> Future[Peer]:
+    """``fut``, failing if the peer is not what the request says (TP size, epoch)."""
     out: Future[Peer] = Future()
 
     def done(f: Future[Peer]) -> None:
         if f.exception() is not None:
             out.set_exception(f.exception())
-        elif f.result().epoch != epoch:
+            return
+        peer = f.result()
+        if peer.tp_size != tp_size:
+            out.set_exception(PeerMismatch(
+                f"{peer.engine_id} runs tp_size {peer.tp_size}, the request named {tp_size}"))
+        elif epoch is not None and peer.epoch != epoch:
             out.set_exception(EpochChanged(
-                f"{f.result().engine_id} now runs epoch {f.result().epoch[:8]}, the request "
+                f"{peer.engine_id} now runs epoch {peer.epoch[:8]}, the request "
                 f"named {epoch[:8]}: its blocks are gone"))
         else:
-            out.set_result(f.result())
+            out.set_result(peer)
 
     fut.add_done_callback(done)
     return out

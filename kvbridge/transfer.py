@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbridge.errors import TransferError
+from kvbridge.errors import InvalidBlockIds, TransferError
 from kvbridge.metadata import KVLayout, RankMetadata
 from kvbridge.tp_mapping import HeadSlice
 
@@ -88,7 +88,7 @@ def block_indices(block_ids: Sequence[int], num_blocks: int, num_regions: int,
     """Rows of ``slice_descs`` (stacked per slice) for these blocks in every region."""
     ids = np.asarray(block_ids, dtype=np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
-        raise TransferError(f"block id out of range 0..{num_blocks - 1}")
+        raise InvalidBlockIds(f"block id out of range 0..{num_blocks - 1}")
     base = slice_index * num_regions * num_blocks
     return (base + np.arange(num_regions, dtype=np.int64)[:, None] * num_blocks
             + ids[None, :]).reshape(-1)

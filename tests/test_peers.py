@@ -191,7 +191,6 @@ def test_concurrent_connects_share_one_handshake(decode, instance_a):
         with manager(decode, {"http": _client("http")}) as mgr:
             futs = [mgr.connect("prefill-0", HOST, server.port, REMOTE_TP, method="http")
                     for _ in range(5)]
-            assert all(f is futs[0] for f in futs)
             server.start()
             peers = {id(f.result(30)) for f in futs}
             assert len(peers) == 1 and sorted(store.requests) == [0, 1]

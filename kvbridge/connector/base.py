@@ -20,6 +20,10 @@ from typing import Any, Protocol
 
 import torch
 
+# A ``loaded`` error starting with this is the request's own fault (its params name
+# another engine, blocks that do not exist, ...): never recomputed, answered with a 4xx.
+INVALID_PARAMS = "invalid kv_transfer_params"
+
 
 @dataclass
 class ConnectorUpdate:

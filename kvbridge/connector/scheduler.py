@@ -20,7 +20,7 @@ from typing import Any
 
 from kvbridge.config import METHODS, SideChannelConfig
 from kvbridge.connector.aggregator import LoadAggregator, SendAggregator
-from kvbridge.connector.base import ConnectorUpdate
+from kvbridge.connector.base import INVALID_PARAMS, ConnectorUpdate
 from kvbridge.connector.messages import LoadSpec, PeerSpec, WorkerMeta, WorkerOutput
 from kvbridge.errors import ConfigError, HandshakeError
 from kvbridge.handshake import HandshakeServer, MetadataStore, make_client, make_server
@@ -148,7 +148,7 @@ class NixlSchedulerConnector:
             spec = self._load_spec(request_id, p, block_ids)
         except (KeyError, TypeError, ValueError) as e:
             # Bad params fail this request through the engine's policy; nothing else.
-            self._refused[request_id] = f"invalid kv_transfer_params: {e}"
+            self._refused[request_id] = f"{INVALID_PARAMS}: {e}"
             return
         self._load_blocks[request_id] = len(spec.local_block_ids)
         self._new_loads.append(spec)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbridge.config import SideChannelConfig
+from kvbridge.connector.base import INVALID_PARAMS
 from kvbridge.connector.messages import (
     LoadSpec,
     PeerSpec,
@@ -25,7 +26,7 @@ from kvbridge.connector.messages import (
     decode_notif,
     encode_notif,
 )
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import InvalidBlockIds, KVBridgeError, PeerMismatch
 from kvbridge.handshake import HandshakeClient, make_client
 from kvbridge.metadata import compat_of, encode_rank
 from kvbridge.peers import Peer, PeerManager
@@ -153,12 +154,15 @@ class NixlWorkerConnector:
             if not load.peer.done():
                 return None
             if (exc := load.peer.exception()) is not None:
-                return f"handshake with {spec.remote_host}:{spec.remote_port} failed: {exc}"
+                why = INVALID_PARAMS if isinstance(exc, PeerMismatch) else "handshake"
+                return f"{why}: handshake with {spec.remote_host}:{spec.remote_port} failed: {exc}"
             peer = load.peer.result()
             notif = encode_notif(spec.remote_request_id, self.tp_rank, self.tp_size)
             try:
                 load.reads = [self.agent.read(rr, spec.local_block_ids, spec.remote_block_ids,
                                               notif) for rr in peer.ranks.values()]
+            except InvalidBlockIds as e:
+                return f"{INVALID_PARAMS}: remote_block_ids: {e}"
             except KVBridgeError as e:
                 return f"READ from {spec.remote_engine_id} could not start: {e}"
             load.deadline = time.monotonic() + self.spec.transfer_timeout

@@ -18,7 +18,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from kvbridge.connector.base import ConnectorUpdate, SchedulerConnector
+from kvbridge.connector.base import INVALID_PARAMS, ConnectorUpdate, SchedulerConnector
 from kvbridge.engine.block_manager import BlockManager
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.sequence import RequestOutput, RequestStatus, Sequence
@@ -191,12 +191,14 @@ class Scheduler:
             if error is None:
                 # The last prompt token is always recomputed: its logits pick the next token.
                 seq.num_cached_tokens = min(seq.num_remote_tokens, seq.num_prompt_tokens - 1)
-            elif self.failure_policy == "recompute":
+            elif self.failure_policy == "recompute" and not error.startswith(INVALID_PARAMS):
                 logger.warning("KV load of %s failed (%s): recomputing the prompt",
                                request_id, error)
                 seq.num_cached_tokens = 0
             else:
-                outputs.append(self._finish(seq, "error", error=f"KV load failed: {error}"))
+                if not error.startswith(INVALID_PARAMS):
+                    error = f"KV load failed: {error}"
+                outputs.append(self._finish(seq, "error", error=error))
                 continue
             seq.status = RequestStatus.WAITING
             # First in line: it already holds its blocks, so it rarely has to wait.

@@ -15,7 +15,13 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from kvbridge.errors import AuthError, HandshakeError, HandshakeTimeout, WireFormatError
+from kvbridge.errors import (
+    AuthError,
+    HandshakeError,
+    HandshakeTimeout,
+    PeerMismatch,
+    WireFormatError,
+)
 from kvbridge.metadata import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Compat,
@@ -162,6 +168,8 @@ class HandshakeClient(ABC):
         where = f"{self.method}://{host}:{port}"
         if reply.status == 401:
             raise AuthError(f"{where} refused our credentials: {reply.error}")
+        if reply.status == 404:  # no such rank: the peer is not the instance we were told of
+            raise PeerMismatch(f"{where} answered 404: {reply.error}")
         if reply.status != 200:
             raise HandshakeError(f"{where} answered {reply.status}: {reply.error}")
         try:

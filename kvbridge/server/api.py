@@ -36,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvbridge.connector.base import INVALID_PARAMS
 from kvbridge.engine.async_engine import AsyncEngine, EngineDeadError
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.sequence import RequestOutput
@@ -206,7 +207,7 @@ class _API:
         except ValueError as e:
             raise _APIError(400, str(e)) from None
         if first.error is not None:  # failed before producing anything
-            raise _APIError(502, first.error, type_="server_error", code="request_failed")
+            raise _request_failed(first.error)
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             return StreamingResponse(fmt.stream(first, outputs, include_usage),
@@ -217,7 +218,7 @@ class _API:
                 last = await anext(outputs)
                 token_ids += last.new_token_ids
         if last.error is not None:
-            raise _APIError(502, last.error, type_="server_error", code="request_failed")
+            raise _request_failed(last.error)
         return JSONResponse(fmt.full(token_ids, last), headers=headers)
 
 
@@ -335,6 +336,13 @@ class _Formatter:
                                           "param": None, "code": "engine_not_running"}})
                     break
         yield "data: [DONE]\n\n"
+
+
+def _request_failed(error: str) -> _APIError:
+    """The request's own fault (bad kv_transfer_params) is a 400; anything else a 502."""
+    if error.startswith(INVALID_PARAMS):
+        return _APIError(400, error, param="kv_transfer_params")
+    return _APIError(502, error, type_="server_error", code="request_failed")
 
 
 def _sse(obj: dict[str, Any]) -> str:

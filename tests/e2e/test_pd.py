@@ -163,3 +163,61 @@ def test_dead_side_channel_fail_policy(cluster, reference):
     assert elapsed < 5 + 3  # the handshake timeout plus a margin, never an OS default
     assert d.metric("kvbridge_blocks_free") == free
     assert _complete(d.url, PROMPTS[2], verify=d.verify) == reference[PROMPTS[2]]
+
+
+# --- bad input: the request fails with a 4xx that says why; nothing else is disturbed -------
+
+def _info(p: Serve) -> dict:
+    return httpx.get(p.url + "/v1/kv/info", verify=p.verify, timeout=10).json()
+
+
+def _bad_params(cluster, **override) -> dict:
+    info = _info(cluster["p1-zmq"])
+    params = {"do_remote_prefill": True, "do_remote_decode": False,
+              "remote_engine_id": info["engine_id"], "remote_block_ids": [0, 1],
+              "remote_request_id": "nobody", "remote_host": info["side_channel_host"],
+              "remote_port": info["side_channel_port"], "tp_size": 1,
+              "remote_epoch": info["epoch"], "handshake_method": "zmq"}
+    return {**params, **override}
+
+
+@pytest.mark.parametrize("decode", ["d1", "d1-fail"])
+@pytest.mark.parametrize("override", [
+    {"remote_engine_id": "not-that-engine"},          # side channel answers for another engine
+    {"tp_size": 2},                                   # it is not a TP-2 instance
+    {"remote_block_ids": [0, 10**6]},                 # blocks it does not have
+    {"remote_port": "not-a-port"},                    # wrong types
+    {"remote_block_ids": [-1]},
+    {"handshake_method": "carrier-pigeon"},
+])
+def test_bad_kv_transfer_params_are_a_400(cluster, reference, decode, override):
+    d = cluster[decode]
+    free = d.metric("kvbridge_blocks_free")
+    r = httpx.post(d.url + "/v1/completions", verify=d.verify, timeout=60, json={
+        "model": "kvbridge-tiny", "prompt": PROMPTS[0], "max_tokens": 4,
+        "kv_transfer_params": _bad_params(cluster, **override)})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "kv_transfer_params" and "invalid kv_transfer_params" in err["message"]
+    assert d.metric("kvbridge_blocks_free") == free
+    assert _complete(d.url, PROMPTS[2], verify=d.verify) == reference[PROMPTS[2]]
+
+
+def test_side_channel_is_not_on_the_api_port(cluster):
+    for name in ("p1-http", "p2-zmq"):
+        p = cluster[name]
+        for path in ("/v1/kv/handshake", "/v1/kv/handshake/0", "/readyz"):
+            assert httpx.get(p.url + path, verify=p.verify).status_code == 404, (name, path)
+
+
+def test_proxy_bad_input_reaches_the_client_at_once(cluster, certs):
+    with _proxy(cluster, certs, "p1-http", "d1") as proxy:
+        r = httpx.post(proxy.url + "/v1/completions", content=b"{not json",
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "error" in r.json()
+        r = httpx.post(proxy.url + "/v1/completions", json={"model": "kvbridge-tiny",
+                                                            "prompt": 42, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["message"]
+        r = httpx.post(proxy.url + "/v1/completions", json={"model": "kvbridge-tiny",
+                                                            "prompt": "x" * 100_000})
+        assert r.status_code == 400 and "context" in r.json()["error"]["message"]
