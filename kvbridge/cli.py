@@ -140,9 +140,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvbridge.server.api import run_server
-    from kvbridge.server.instance import Instance, InstanceOptions
-
     api_tls = TLSConfig(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs,
                         parse_cert_reqs(args.ssl_cert_reqs))
     flags = {k: getattr(args, k) for k in ("handshake_method", "handshake_timeout",
@@ -159,6 +156,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.side_channel_ssl_keyfile and not own_cert:
         raise ConfigError("--side-channel-ssl-keyfile needs --side-channel-ssl-certfile")
     side = SideChannelConfig.load(flags)
+    # Settings first, heavy imports (torch) after: a bad flag is reported at once.
+    from kvbridge.server.api import run_server
+    from kvbridge.server.instance import Instance, InstanceOptions
+
     opts = InstanceOptions(
         role=args.role, tp_size=args.tp, model=args.model, dtype=args.dtype,
         num_blocks=args.num_blocks, block_size=args.block_size,
