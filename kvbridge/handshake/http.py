@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import json
 import logging
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import uvicorn
@@ -84,6 +86,7 @@ def build_app(store: MetadataStore, token: str | None) -> ASGIApp:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
     ])
+    app.router.redirect_slashes = False  # a side channel answers or refuses; no redirects
     return _BodyLimit(app, MAX_REQUEST_BYTES)
 
 
@@ -147,6 +150,9 @@ class HttpHandshakeServer(HandshakeServer):
             # Idle TLS keep-alive peers never answer our close_notify: without a bound,
             # stop() waits for them (asyncio's 30 s TLS shutdown timeout).
             timeout_graceful_shutdown=1)
+        if tls.enabled:
+            config.load()
+            config.ssl.minimum_version = ssl.TLSVersion.TLSv1_2  # uvicorn has no setting
         self._server = _ThreadServer(config)
         self._thread = threading.Thread(target=lambda: asyncio.run(
             self._server.serve(sockets=[self._sock])), name="kvbridge-http-side-channel",
@@ -172,7 +178,8 @@ class HttpHandshakeClient(HandshakeClient):
         tls = tls or TLSConfig()
         # https whenever we have a CA to verify the server against (or our own cert).
         self.scheme = scheme or ("https" if (tls.ca_certs or tls.certfile) else "http")
-        verify = tls.client_context() if self.scheme == "https" else True
+        # Plain http needs no SSL context (building the default one costs ~90 ms).
+        verify = tls.client_context() if self.scheme == "https" else False
         self._client = httpx.Client(verify=verify, trust_env=False,
                                     limits=httpx.Limits(max_connections=64))
 
@@ -213,19 +220,102 @@ class HttpHandshakeClient(HandshakeClient):
         return Reply(200, body)
 
     def _read_capped(self, resp: httpx.Response, deadline: float, url: str) -> bytes:
+        """The body, at most ``max_message_bytes``, complete by ``deadline``: a peer that
+        trickles bytes has its connection closed under it when the deadline passes."""
         limit = self.max_message_bytes
         declared = resp.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise WireFormatError(f"{url}: reply of {declared} bytes exceeds the limit of {limit}")
         chunks, size = [], 0
-        for chunk in resp.iter_bytes():
-            size += len(chunk)
-            if size > limit:
-                raise WireFormatError(f"{url}: reply exceeds the limit of {limit} bytes")
-            if time.monotonic() > deadline:
-                raise HandshakeTimeout(f"{url}: reply not complete within {self.timeout:g}s")
-            chunks.append(chunk)
+        # One shared watchdog thread, not a timer thread per request: starting a thread
+        # costs milliseconds on a busy machine, more than the whole warm fetch.
+        watchdog = _WATCHDOG.arm(deadline, lambda: _cut(resp))
+        try:
+            for chunk in resp.iter_bytes():
+                size += len(chunk)
+                if size > limit:
+                    raise WireFormatError(f"{url}: reply exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+        except (httpx.HTTPError, httpx.StreamError, OSError, RuntimeError):
+            if time.monotonic() < deadline:
+                raise
+        finally:
+            watchdog.cancel()
+        if time.monotonic() >= deadline:
+            raise HandshakeTimeout(f"{url}: reply not complete within {self.timeout:g}s")
         return b"".join(chunks)
+
+
+class _Watchdog:
+    """Calls ``action`` at ``deadline`` unless cancelled first: one daemon thread for
+    every pending deadline of the process (started on first use)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], object]]] = []
+        self._live: set[int] = set()
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, deadline: float, action: Callable[[], object]) -> _Armed:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="kvbridge-http-watchdog")
+                self._thread.start()
+            seq = next(self._seq)
+            heapq.heappush(self._heap, (deadline, seq, action))
+            self._live.add(seq)
+            if self._heap[0][1] == seq:
+                self._cond.notify()
+        return _Armed(self, seq)
+
+    def _cancel(self, seq: int) -> None:
+        with self._cond:
+            self._live.discard(seq)
+            while self._heap and self._heap[0][1] not in self._live:
+                heapq.heappop(self._heap)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._heap and self._heap[0][1] not in self._live:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                deadline, seq, action = self._heap[0]
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                heapq.heappop(self._heap)
+                self._live.discard(seq)
+            try:
+                action()
+            except Exception:  # closing a response must not end the watchdog
+                log.debug("watchdog action failed", exc_info=True)
+
+
+class _Armed:
+    def __init__(self, watchdog: _Watchdog, seq: int):
+        self._watchdog, self._seq = watchdog, seq
+
+    def cancel(self) -> None:
+        self._watchdog._cancel(self._seq)
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _cut(resp: httpx.Response) -> None:
+    """Unblock a read in progress on ``resp``'s connection (closing the response alone
+    does not: the reading thread sits in recv)."""
+    stream = resp.extensions.get("network_stream")
+    sock = stream.get_extra_info("socket") if stream is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _is_tls_error(e: Exception) -> bool:
