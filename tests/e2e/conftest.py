@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,13 @@ import pytest
 from tests.conftest import ROOT
 
 START_TIMEOUT = 180.0
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun.",
+    "KV blocks travel from prefill to decode over NIXL; the side channel tells where.",
+    "short",
+]
+MAX_TOKENS = 10
+
 
 
 def free_port() -> int:
@@ -108,3 +116,43 @@ def start_all(specs: dict[str, tuple[tuple[str, ...], Path | None]], log_dir: Pa
     finally:
         for p in procs.values():
             p.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(certs, token_file, serve_log_dir) -> Iterator[dict[str, Serve]]:
+    """Prefills at TP 1 and 2 per handshake method, decodes at TP 1 and 2 (one more with
+    the fail policy) and a ``--role both`` reference engine, all in float64."""
+    side = ("--side-channel-port", "0", "--side-channel-token-file", str(token_file),
+            "--handshake-timeout", "5")
+    specs: dict[str, tuple[tuple[str, ...], Path | None]] = {"ref": (("--role", "both"), certs)}
+    for tp in (1, 2):
+        for method in ("http", "zmq"):
+            specs[f"p{tp}-{method}"] = (("--role", "prefill", "--tp", str(tp),
+                                         "--handshake", method, *side), certs)
+        specs[f"d{tp}"] = (("--role", "decode", "--tp", str(tp), *side), certs)
+    specs["d1-fail"] = (("--role", "decode", "--kv-load-failure-policy", "fail", *side), certs)
+    yield from start_all(specs, serve_log_dir)
+
+
+@pytest.fixture(scope="session")
+def reference(cluster) -> dict[str, str]:
+    ref = cluster["ref"]
+    return {p: complete(ref.url, p, verify=ref.verify) for p in PROMPTS}
+
+
+def complete(url: str, prompt: str, *, verify=True, stream: bool = False,
+              **extra) -> str:
+    body = {"model": "kvbridge-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": stream, **extra}
+    with httpx.Client(verify=verify, timeout=60) as c:
+        if not stream:
+            r = c.post(url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        text = []
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+        return "".join(text)

@@ -9,63 +9,17 @@ round differently only far below what could flip a greedy token.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from kvbridge.server.api import BackgroundServer
 from kvbridge.server.proxy import build_proxy_app
-from tests.e2e.conftest import Serve, start_all
+from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Serve
+from tests.e2e.conftest import complete as _complete
 
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun.",
-    "KV blocks travel from prefill to decode over NIXL; the side channel tells where.",
-    "short",
-]
-MAX_TOKENS = 10
 CONFIGS = [(1, 1), (1, 2), (2, 1), (2, 2)]
-
-
-@pytest.fixture(scope="module")
-def cluster(certs, token_file, serve_log_dir) -> Iterator[dict[str, Serve]]:
-    side = ("--side-channel-port", "0", "--side-channel-token-file", str(token_file),
-            "--handshake-timeout", "5")
-    specs: dict[str, tuple[tuple[str, ...], object]] = {
-        "ref": (("--role", "both"), certs)}
-    for tp in (1, 2):
-        for method in ("http", "zmq"):
-            specs[f"p{tp}-{method}"] = (("--role", "prefill", "--tp", str(tp),
-                                         "--handshake", method, *side), certs)
-        specs[f"d{tp}"] = (("--role", "decode", "--tp", str(tp), *side), certs)
-    specs["d1-fail"] = (("--role", "decode", "--kv-load-failure-policy", "fail", *side), certs)
-    yield from start_all(specs, serve_log_dir)
-
-
-@pytest.fixture(scope="module")
-def reference(cluster) -> dict[str, str]:
-    ref = cluster["ref"]
-    return {p: _complete(ref.url, p, verify=ref.verify) for p in PROMPTS}
-
-
-def _complete(url: str, prompt: str, *, verify=True, stream: bool = False,
-              **extra) -> str:
-    body = {"model": "kvbridge-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
-            "temperature": 0, "stream": stream, **extra}
-    with httpx.Client(verify=verify, timeout=60) as c:
-        if not stream:
-            r = c.post(url + "/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-        text = []
-        with c.stream("POST", url + "/v1/completions", json=body) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    text.append(json.loads(line[6:])["choices"][0]["text"])
-        return "".join(text)
 
 
 def _proxy(cluster, certs, prefill: str, decode: str) -> BackgroundServer:
