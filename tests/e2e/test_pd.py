@@ -175,3 +175,26 @@ def test_proxy_bad_input_reaches_the_client_at_once(cluster, certs):
         r = httpx.post(proxy.url + "/v1/completions", json={"model": "kvbridge-tiny",
                                                             "prompt": "x" * 100_000})
         assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+
+
+def test_metrics_move_by_exactly_what_happened(cluster, reference, certs):
+    """A handful of requests moves the counters by exactly what the requests did."""
+    p, d = cluster["p1-zmq"], cluster["d2"]
+    names = ["kvbridge_kv_loads_total", "kvbridge_kv_blocks_loaded_total",
+             "kvbridge_kv_bytes_loaded_total", 'kvbridge_kv_loads_total{outcome="failed"}']
+    before = {n: d.metric(n) for n in names}
+    released = p.metric('kvbridge_held_requests_released_total{why="read"}')
+    with _proxy(cluster, certs, p.name, d.name) as proxy:
+        for prompt in PROMPTS:
+            assert _complete(proxy.url, prompt) == reference[prompt]
+    # the byte tokenizer: one token per byte plus BOS; 16 tokens per block
+    blocks = sum(-(-(len(q.encode()) + 1) // 16) for q in PROMPTS)
+    block_bytes = 2 * 2 * 4 * 16 * 16 * 8  # layers, K/V, KV heads, block size, head dim, f64
+    delta = {n: d.metric(n) - before[n] for n in names}
+    assert delta == {names[0]: len(PROMPTS), names[1]: blocks, names[2]: blocks * block_bytes,
+                     names[3]: 0}
+    deadline = time.monotonic() + 20
+    while p.metric('kvbridge_held_requests_released_total{why="read"}') < released + 3:
+        assert time.monotonic() < deadline, "prefill never saw every READ notification"
+        time.sleep(0.05)
+    assert p.metric('kvbridge_held_requests_released_total{why="read"}') == released + 3
