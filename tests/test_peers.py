@@ -20,7 +20,7 @@ from kvbridge.metadata import KVLayout, compat_of
 from kvbridge.peers import Peer, PeerManager
 from kvbridge.tp_mapping import heads_per_rank, plan_reads, rank_heads
 from kvbridge.transfer import NixlAgent, allocate_kv_cache
-from tests.helpers import CountingStore
+from tests.helpers import CountingStore, RawServer
 
 TOKEN = "peers-token"
 HOST = "127.0.0.1"
@@ -373,3 +373,16 @@ def test_read_after_the_remote_agent_was_removed_is_a_transfer_error(decode, ins
     with pytest.raises(TransferError, match="could not be built"):
         decode.read(second, LOCAL_BLOCKS, REMOTE_BLOCKS, b"gone")
     decode.disconnect(second)
+
+
+def test_a_silent_peer_never_delays_another(decode, instance_a):
+    """Handshakes to different peers run side by side: one whose side channel accepts
+    and never answers does not hold up a healthy one."""
+    store = _store(instance_a)
+    with RawServer(lambda conn: conn.recv(1 << 16) and threading.Event().wait(30)) as silent, \
+            running("http", store) as server, \
+            manager(decode, {"http": _client("http", timeout=20)}) as mgr:
+        stuck = mgr.connect("silent-0", HOST, silent.port, REMOTE_TP, method="http")
+        healthy = mgr.connect("prefill-0", HOST, server.port, REMOTE_TP, method="http")
+        assert healthy.result(15).engine_id == "prefill-0"
+        assert not stuck.done()  # still waiting for its 20 s timeout
