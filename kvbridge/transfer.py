@@ -52,6 +52,30 @@ def _nixl_api():
     return _api
 
 
+# Microseconds NIXL's progress thread sleeps between polls. nixl's Python wrapper
+# hard-codes 0, so every agent's thread spins a whole core even when idle; 1 ms costs
+# little latency here (READs between processes are driven by the initiator).
+PROGRESS_DELAY_US = int(os.environ.get("KVBRIDGE_NIXL_PROGRESS_DELAY_US", "1000"))
+_agent_lock = threading.Lock()
+
+
+def _new_agent(api: Any, name: str) -> Any:
+    if PROGRESS_DELAY_US <= 0:
+        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    base = api.nixlBind.nixlAgentConfig
+
+    class _Config(base):  # the wrapper builds one of these and sets pthrDelay = 0 on it
+        def __setattr__(self, key: str, value: Any) -> None:
+            super().__setattr__(key, PROGRESS_DELAY_US if key == "pthrDelay" else value)
+
+    with _agent_lock:  # the swap is process-wide for the length of one construction
+        api.nixlBind.nixlAgentConfig = _Config
+        try:
+            return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        finally:
+            api.nixlBind.nixlAgentConfig = base
+
+
 DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
                torch.bfloat16: "bfloat16"}
 
@@ -118,7 +142,7 @@ class NixlAgent:
     def __init__(self, name: str | None = None):
         api = _nixl_api()
         self.name = name or f"kvbridge-{uuid.uuid4().hex[:12]}"
-        self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self._agent = _new_agent(api, self.name)
         self._reg = None
         self.kv: KVLayout | None = None
         self._kv_tensor: torch.Tensor | None = None
