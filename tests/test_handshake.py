@@ -760,3 +760,26 @@ def test_http_reply_trickled_byte_by_byte_is_cut_at_the_deadline():
         release.set()
         client.close()
     assert elapsed < 1.0 + 0.5
+
+
+def test_http_headers_trickled_byte_by_byte_are_cut_at_the_deadline():
+    """Same for the response head: a new connection is watched from its first byte."""
+    release = threading.Event()
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/vnd.msgpack\r\n" * 20
+
+    def trickle(conn: socket.socket) -> None:
+        read_request(conn)
+        for b in head:
+            if release.wait(0.3):
+                return
+            conn.sendall(bytes([b]))
+
+    with RawServer(trickle) as srv:
+        client = HttpHandshakeClient(1.0, compat(), None)
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeTimeout):
+            client.fetch("127.0.0.1", srv.port, 0)
+        elapsed = time.monotonic() - t0
+        release.set()
+        client.close()
+    assert elapsed < 1.0 + 0.5

@@ -195,54 +195,58 @@ class HttpHandshakeClient(HandshakeClient):
         left = deadline - time.monotonic()
         if left <= 0:
             raise HandshakeTimeout(f"http handshake with {url}: no time left")
+        # One watchdog over the whole request: at the deadline it shuts the connection
+        # under whatever read is blocked (headers trickled in count too). A new
+        # connection is known from the trace hook, a reused one from the response.
+        conn: dict[str, object] = {}
+        watchdog = _WATCHDOG.arm(deadline, lambda: _cut(conn.get("stream")))
         try:
-            with self._client.stream("GET", url, headers=headers,
-                                     timeout=httpx.Timeout(left)) as resp:
-                body = self._read_capped(resp, deadline, url)
-        except httpx.ConnectError as e:
-            if _is_tls_error(e):
-                raise HandshakeError(f"TLS with {url} failed: {e}") from None
-            raise _Retry(f"{type(e).__name__}: {e}") from None  # refused: peer may be starting
-        except httpx.RemoteProtocolError as e:
-            if "without sending a response" not in str(e):  # it answered, but not in HTTP
-                raise WireFormatError(f"{url} answered something that is not HTTP: {e}") from None
-            hint = ("does it require a client certificate (mTLS)?" if self.scheme == "https"
-                    else "is it a TLS server spoken to in plaintext?")
-            raise HandshakeError(f"{url} closed the connection without an answer ({e}); "
-                                 f"{hint}") from None
-        except httpx.TimeoutException:
-            raise HandshakeTimeout(f"http handshake with {url}: no answer within "
-                                   f"{self.timeout:g}s") from None
-        except httpx.TransportError as e:
-            raise HandshakeError(f"http handshake with {url}: {type(e).__name__}: {e}") from None
+            with self._client.stream("GET", url, headers=headers, timeout=httpx.Timeout(left),
+                                     extensions={"trace": _tracer(conn)}) as resp:
+                conn.setdefault("stream", resp.extensions.get("network_stream"))
+                body = self._read_capped(resp, url)
+        except (httpx.HTTPError, httpx.StreamError, OSError, RuntimeError) as e:
+            if time.monotonic() >= deadline:
+                raise HandshakeTimeout(f"http handshake with {url}: not complete within "
+                                       f"{self.timeout:g}s") from None
+            raise self._translate(e, url) from None
+        finally:
+            watchdog.cancel()
+        if time.monotonic() >= deadline:
+            raise HandshakeTimeout(f"{url}: reply not complete within {self.timeout:g}s")
         if resp.status_code != 200:
             return Reply(resp.status_code, error=_error_text(body))
         return Reply(200, body)
 
-    def _read_capped(self, resp: httpx.Response, deadline: float, url: str) -> bytes:
-        """The body, at most ``max_message_bytes``, complete by ``deadline``: a peer that
-        trickles bytes has its connection closed under it when the deadline passes."""
+    def _translate(self, e: Exception, url: str) -> Exception:
+        """A transport failure before the deadline, as the error a caller can act on."""
+        if isinstance(e, httpx.ConnectError):
+            if _is_tls_error(e):
+                return HandshakeError(f"TLS with {url} failed: {e}")
+            return _Retry(f"{type(e).__name__}: {e}")  # refused: the peer may be starting
+        if isinstance(e, httpx.RemoteProtocolError):
+            if "without sending a response" not in str(e):  # it answered, but not in HTTP
+                return WireFormatError(f"{url} answered something that is not HTTP: {e}")
+            hint = ("does it require a client certificate (mTLS)?" if self.scheme == "https"
+                    else "is it a TLS server spoken to in plaintext?")
+            return HandshakeError(f"{url} closed the connection without an answer ({e}); {hint}")
+        if isinstance(e, httpx.TimeoutException):
+            return HandshakeTimeout(f"http handshake with {url}: no answer within "
+                                    f"{self.timeout:g}s")
+        return HandshakeError(f"http handshake with {url}: {type(e).__name__}: {e}")
+
+    def _read_capped(self, resp: httpx.Response, url: str) -> bytes:
+        """The body, at most ``max_message_bytes``."""
         limit = self.max_message_bytes
         declared = resp.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise WireFormatError(f"{url}: reply of {declared} bytes exceeds the limit of {limit}")
         chunks, size = [], 0
-        # One shared watchdog thread, not a timer thread per request: starting a thread
-        # costs milliseconds on a busy machine, more than the whole warm fetch.
-        watchdog = _WATCHDOG.arm(deadline, lambda: _cut(resp))
-        try:
-            for chunk in resp.iter_bytes():
-                size += len(chunk)
-                if size > limit:
-                    raise WireFormatError(f"{url}: reply exceeds the limit of {limit} bytes")
-                chunks.append(chunk)
-        except (httpx.HTTPError, httpx.StreamError, OSError, RuntimeError):
-            if time.monotonic() < deadline:
-                raise
-        finally:
-            watchdog.cancel()
-        if time.monotonic() >= deadline:
-            raise HandshakeTimeout(f"{url}: reply not complete within {self.timeout:g}s")
+        for chunk in resp.iter_bytes():
+            size += len(chunk)
+            if size > limit:
+                raise WireFormatError(f"{url}: reply exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
         return b"".join(chunks)
 
 
@@ -308,11 +312,18 @@ class _Armed:
 _WATCHDOG = _Watchdog()
 
 
-def _cut(resp: httpx.Response) -> None:
-    """Unblock a read in progress on ``resp``'s connection (closing the response alone
-    does not: the reading thread sits in recv)."""
-    stream = resp.extensions.get("network_stream")
-    sock = stream.get_extra_info("socket") if stream is not None else None
+def _tracer(conn: dict[str, object]) -> Callable[[str, dict], None]:
+    def trace(event: str, info: dict) -> None:
+        if event in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
+            conn["stream"] = info.get("return_value")
+    return trace
+
+
+def _cut(stream: object) -> None:
+    """Unblock a read in progress on a connection (closing the response alone does not:
+    the reading thread sits in recv)."""
+    get = getattr(stream, "get_extra_info", None)
+    sock = get("socket") if get is not None else None
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
