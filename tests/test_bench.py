@@ -90,7 +90,8 @@ def test_transfer(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_serve(tmp_path):
-    """Starts four processes (prefill, decode, proxy, monolithic): the slowest smoke test."""
+    """SLOW (~15-30 s, over the 25 s aimed at): starts prefill, decode and proxy, then a
+    monolithic engine, one set-up after the other; the engines' start-up dominates."""
     d = _run("serve", tmp_path)
     for setup in ("pd", "mono"):
         assert [r["concurrency"] for r in d["results"][setup]] == d["config"]["levels"]

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import random
+import socket
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from kvbridge.bench.common import Child, load_average, progress, pyplot, write_certs
+from kvbridge.bench.common import Child, idle_cpu, load_average, progress, pyplot, write_certs
 from kvbridge.bench.peer import BENCH_MODEL, kv_shape_args, make_agents
 from kvbridge.bench.report import percentiles
 
@@ -38,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _quick(args: argparse.Namespace) -> None:
-    args.warm, args.warmup, args.cold = 60, 10, 5
+    args.warm, args.warmup, args.cold = 30, 5, 3
     args.layers, args.num_blocks = 4, 8
 
 
@@ -54,6 +55,41 @@ def _client(method: str, certs: Path, expected):
     from kvbridge.handshake import make_client
 
     return make_client(_config(method, certs), expected)
+
+
+RAW = "http_raw_socket"
+
+
+class _RawHttp:
+    """Baseline, not a kvbridge client: the same GET over one keep-alive socket with no
+    HTTP library, then the same envelope decode: what the server and the wire cost."""
+
+    def __init__(self, port: int, expected):
+        self.expected = expected
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.requests = [(f"GET /v1/kv/handshake/{r} HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                          f"authorization: Bearer {TOKEN}\r\naccept: application/vnd.msgpack"
+                          "\r\n\r\n").encode() for r in range(64)]
+
+    def fetch(self, rank: int):
+        from kvbridge.metadata import decode_envelope
+
+        self.sock.sendall(self.requests[rank])
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += self.sock.recv(65536)
+        head, _, body = buf.partition(b"\r\n\r\n")
+        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        while len(body) < length:
+            body += self.sock.recv(65536)
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(head[:100])
+        return decode_envelope(body, self.expected)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def _stats(samples: list[float]) -> dict[str, float]:
@@ -75,28 +111,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         certs = write_certs(Path(t))
         shape = ["--layers", str(args.layers), "--kv-heads", str(args.kv_heads), "--head-dim",
                  str(args.head_dim), "--block-size", str(args.block_size), "--num-blocks",
-                 str(args.num_blocks)]
+                 str(args.num_blocks)] + (["--progress-thread"] if args.progress_thread else [])
         progress(f"handshake: starting the server (TP {args.tp}, {args.layers} layers, "
                  f"{args.num_blocks} blocks per rank)")
         with Child("sidechannel", "--tp", str(args.tp), "--methods", ",".join(METHODS),
                    "--token", TOKEN, "--certs", str(certs), *shape) as server:
             ports = server.info["ports"]
+            server_idle_cpu = idle_cpu(server.pid, 0.5)
             local = make_agents(args, args.tp, count=1)[0]
             expected = compat_of(BENCH_MODEL, local.kv)
             clients = {m: _client(m, certs, expected) for m in METHODS}
-            warm: dict[str, list[float]] = {m: [] for m in METHODS}
+            raw = _RawHttp(ports["http"], expected)
+            warm: dict[str, list[float]] = {m: [] for m in (*METHODS, RAW)}
             try:
                 progress(f"handshake: warm-up ({args.warmup} per method)")
                 for i in range(args.warmup):
                     for m in METHODS:
                         clients[m].fetch("127.0.0.1", ports[m], i % args.tp)
+                    raw.fetch(i % args.tp)
                 progress(f"handshake: warm fetches ({args.warm} per method, interleaved)")
-                order = list(METHODS)
+                order = [*METHODS, RAW]
                 for i in range(args.warm):
                     rng.shuffle(order)
                     for m in order:
                         t0 = time.perf_counter()
-                        ranks = clients[m].fetch("127.0.0.1", ports[m], i % args.tp)
+                        if m == RAW:
+                            ranks = raw.fetch(i % args.tp)
+                        else:
+                            ranks = clients[m].fetch("127.0.0.1", ports[m], i % args.tp)
                         warm[m].append(time.perf_counter() - t0)
                         assert ranks[0].tp_rank == i % args.tp
                     if (i + 1) % max(1, args.warm // 4) == 0:
@@ -104,6 +146,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 for c in clients.values():
                     c.close()
+                raw.close()
+            order = list(METHODS)
             progress(f"handshake: cold handshakes ({args.cold} per method, interleaved)")
             cold: dict[str, dict[str, list[float]]] = {
                 m: {"total": [], "fetch": [], "connect": []} for m in METHODS}
@@ -138,20 +182,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "num_blocks": args.num_blocks, "dtype": "float16", "warm": args.warm,
                    "warmup": args.warmup, "cold": args.cold, "token": True,
                    "https": "TLS, server cert verified against a trustme CA",
-                   "descriptors_prepared_per_cold_handshake": 2 * descs, "quick": args.quick},
+                   "descriptors_prepared_per_cold_handshake": 2 * descs,
+                   "nixl_progress_thread": args.progress_thread, "quick": args.quick},
         "metadata": {k: info[k] for k in ("envelope_bytes_per_rank",
                                           "agent_metadata_bytes_per_rank",
                                           "envelope_bytes_all_ranks")},
         "warm_ms": warm_stats,
         "cold_ms": cold_stats,
-        "ratios": {"http_over_zmq_warm_p50": http_ratio, "https_over_zmq_warm_p50": https_ratio},
+        "ratios": {"http_over_zmq_warm_p50": http_ratio, "https_over_zmq_warm_p50": https_ratio,
+                   "http_raw_socket_over_zmq_warm_p50":
+                       warm_stats[RAW]["p50"] / warm_stats["zmq"]["p50"]},
         "goals": [
             {"goal": "warm http p50 <= 1.5x zmq p50", "value": round(http_ratio, 3),
              "reached": http_ratio <= 1.5},
             {"goal": "warm http p50 < 2 ms", "value": round(warm_stats["http"]["p50"], 3),
              "reached": warm_stats["http"]["p50"] < 2.0},
         ],
-        "server_process": server_stats,
+        "server_process": {**server_stats, "idle_cpu_per_s": server_idle_cpu},
         "load_average": {"before": load_before, "after": load_average()},
     }
 
@@ -164,6 +211,9 @@ def summary(r: dict[str, Any]) -> str:
         w, c = r["warm_ms"][m], r["cold_ms"][m]["total"]
         lines.append(f"{m:<7} {w['p50']:7.3f} {w['p90']:7.3f} {w['p99']:7.3f}    "
                      f"{c['p50']:7.2f} {c['p90']:7.2f} {c['p99']:7.2f}")
+    w = r["warm_ms"][RAW]
+    lines.append(f"baseline: same GET on a raw keep-alive socket (no HTTP library) "
+                 f"{w['p50']:.3f} {w['p90']:.3f} {w['p99']:.3f}")
     for g in r["goals"]:
         lines.append(f"goal {g['goal']}: {g['value']} -> "
                      f"{'reached' if g['reached'] else 'NOT reached'}")
@@ -177,12 +227,13 @@ def plot(r: dict[str, Any], path: Path) -> None:
     width = 0.25
     for ax, key, title in ((axes[0], "warm_ms", "warm fetch (persistent client)"),
                            (axes[1], "cold_ms", "cold handshake (new client + NIXL connect)")):
+        names = [*METHODS, RAW] if key == "warm_ms" else list(METHODS)
         for i, q in enumerate(qs):
-            vals = [r[key][m][q] if key == "warm_ms" else r[key][m]["total"][q] for m in METHODS]
-            xs = [j + (i - 1) * width for j in range(len(METHODS))]
+            vals = [r[key][m][q] if key == "warm_ms" else r[key][m]["total"][q] for m in names]
+            xs = [j + (i - 1) * width for j in range(len(names))]
             bars = ax.bar(xs, vals, width, label=q)
             ax.bar_label(bars, fmt="%.2f", fontsize=7)
-        ax.set_xticks(range(len(METHODS)), METHODS)
+        ax.set_xticks(range(len(names)), [n.replace("_", "\n", 1) for n in names])
         ax.set_ylabel("ms")
         ax.set_title(title)
         ax.legend()

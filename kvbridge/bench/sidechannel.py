@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvbridge.bench.common import Child, load_average, progress, pyplot, write_certs
+from kvbridge.bench.common import Child, idle_cpu, load_average, progress, pyplot, write_certs
 from kvbridge.bench.report import percentiles
 
 TOKEN = "bench-" + "y" * 26
@@ -35,10 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=8.0, help="seconds per level")
     p.add_argument("--schemes", default="http,https", help="http and/or https (TLS)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds one request may take")
+    p.add_argument("--progress-thread", action="store_true",
+                   help="server's NIXL agents with their (spinning) progress threads")
 
 
 def _quick(args: argparse.Namespace) -> None:
-    args.concurrency, args.duration = "8,32", 0.8
+    args.concurrency, args.duration = "8,32", 0.4
 
 
 class _Level:
@@ -155,8 +157,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         methods = ",".join("http" if s == "http" else "https" for s in schemes)
         progress("sidechannel: starting the server process (TP 2, 32 layers)")
         with Child("sidechannel", "--tp", "2", "--methods", methods, "--token", TOKEN,
-                   "--certs", str(certs), "--num-blocks", "4") as server:
+                   "--certs", str(certs), "--num-blocks", "4",
+                   *(["--progress-thread"] if args.progress_thread else [])) as server:
             start_stats = server.stats()
+            server_idle_cpu = idle_cpu(server.pid, 0.5)
             for scheme in schemes:
                 ctx = None
                 if scheme == "https":
@@ -191,10 +195,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"levels": levels, "duration_s": args.duration, "schemes": schemes,
                    "server": "HttpHandshakeServer (uvicorn, one event-loop thread), TP 2 store, "
                              "32 layers, token", "client": "asyncio raw HTTP/1.1, one keep-alive "
-                   "connection per client, one process", "quick": args.quick},
+                   "connection per client, one process",
+                   "nixl_progress_thread": args.progress_thread, "quick": args.quick},
         "envelope_bytes_per_rank": info["envelope_bytes_per_rank"],
         "results": results,
-        "server_process": {"start": start_stats, "end": end_stats},
+        "server_process": {"start": start_stats, "end": end_stats,
+                           "idle_cpu_per_s": server_idle_cpu},
         "goals": goals,
         "load_average": {"before": load_before, "after": load_average()},
     }
