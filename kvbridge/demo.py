@@ -11,19 +11,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import socket
 import ssl
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import trustme
+
+from kvbridge.launch import KVBridgeProcess, free_port, read_metric
 
 PROMPTS = [
     "The side channel carries metadata, the data plane carries KV blocks.",
@@ -31,22 +28,6 @@ PROMPTS = [
     "A peer that never answers must not block anything forever.",
 ]
 START_TIMEOUT = 120.0
-
-
-@dataclass
-class _Proc:
-    name: str
-    proc: subprocess.Popen
-    log: Path
-
-    def tail(self, n: int = 20) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_certs(d: Path) -> None:
@@ -60,47 +41,22 @@ def _write_certs(d: Path) -> None:
 
 
 @contextlib.contextmanager
-def _processes(tmp: Path) -> Iterator[list[_Proc]]:
-    procs: list[_Proc] = []
+def _processes() -> Iterator[list[KVBridgeProcess]]:
+    procs: list[KVBridgeProcess] = []
     try:
         yield procs
     finally:
         for p in procs:
-            if p.proc.poll() is None:
-                p.proc.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.proc.kill()
-                p.proc.wait()
+            p.stop()
 
 
-def _start(procs: list[_Proc], tmp: Path, name: str, *args: str) -> _Proc:
-    log = tmp / f"{name}.log"
-    proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", "--log-level", "warning",
-                             *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
-    p = _Proc(name, proc, log)
+def _start(procs: list[KVBridgeProcess], tmp: Path, name: str, *args: str) -> KVBridgeProcess:
+    p = KVBridgeProcess(name, tmp, *args)
     procs.append(p)
     return p
 
 
-def _wait_healthy(p: _Proc, url: str, client: httpx.Client) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if p.proc.poll() is not None:
-            raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n{p.tail()}")
-        try:
-            if client.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{p.name} not healthy after {START_TIMEOUT:g}s:\n{p.tail()}")
-
-
-def _wait_prewarmed(p: _Proc, url: str, client: httpx.Client) -> None:
+def _wait_prewarmed(p: KVBridgeProcess, url: str, client: httpx.Client) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         status = client.get(url, timeout=5).json()
@@ -111,16 +67,6 @@ def _wait_prewarmed(p: _Proc, url: str, client: httpx.Client) -> None:
             return
         time.sleep(0.1)
     raise RuntimeError(f"{p.name}: prewarm not done after {START_TIMEOUT:g}s:\n{p.tail()}")
-
-
-def _metric(client: httpx.Client, url: str, name: str) -> float:
-    total = 0.0
-    for line in client.get(url + "/metrics").text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            if key == name or key.startswith(name + "{"):
-                total += float(value)
-    return total
 
 
 def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> tuple[str, float]:
@@ -147,38 +93,39 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 24, decode_tp: 
     with tempfile.TemporaryDirectory(prefix="kvbridge-demo-") as t:
         tmp = Path(t)
         _write_certs(tmp)
-        pp, dp, xp, sp = (_free_port() for _ in range(4))
+        pp, dp, xp, sp = (free_port() for _ in range(4))
         tls = ["--ssl-certfile", str(tmp / "server.pem"), "--ssl-ca-certs", str(tmp / "ca.pem")]
         side = ["--handshake", handshake, "--side-channel-token-file", str(tmp / "token")]
         print(f"kvbridge demo: prefill TP 1 on :{pp}, decode TP {decode_tp} on :{dp}, "
               f"proxy on :{xp}; {handshake} handshake on :{sp}"
               f"{' over TLS' if handshake == 'http' else ''} with a token", flush=True)
         ca = ssl.create_default_context(cafile=str(tmp / "ca.pem"))
-        with _processes(tmp) as procs, httpx.Client(verify=ca) as client:
+        with _processes() as procs, httpx.Client(verify=ca) as client:
             prefill = _start(procs, tmp, "prefill", "serve", "--role", "prefill", "--port",
                              str(pp), "--side-channel-port", str(sp), *side, *tls)
             decode = _start(procs, tmp, "decode", "serve", "--role", "decode", "--tp",
                             str(decode_tp), "--port", str(dp), *side, *tls)
             for p, port in ((prefill, pp), (decode, dp)):
                 print(f"  starting {p.name} ...", flush=True)
-                _wait_healthy(p, f"https://127.0.0.1:{port}/health", client)
+                p.wait_healthy(f"https://127.0.0.1:{port}/health",
+                               time.monotonic() + START_TIMEOUT, ca)
             proxy = _start(procs, tmp, "proxy", "proxy", "--port", str(xp), "--prefill",
                            f"https://127.0.0.1:{pp}", "--decode", f"https://127.0.0.1:{dp}",
                            "--ca-certs", str(tmp / "ca.pem"), "--kv-token-file",
                            str(tmp / "token"))
-            _wait_healthy(proxy, f"http://127.0.0.1:{xp}/health", client)
+            proxy.wait_healthy(f"http://127.0.0.1:{xp}/health", time.monotonic() + START_TIMEOUT)
             # The proxy has the decode handshake with the prefill before any request.
             _wait_prewarmed(proxy, f"http://127.0.0.1:{xp}/v1/kv/prewarm", client)
             d_url = f"https://127.0.0.1:{dp}"
-            hs = _metric(client, d_url, "kvbridge_handshake_seconds_sum") * 1000
-            n = _metric(client, d_url, "kvbridge_handshake_seconds_count")
+            hs = read_metric(client, d_url, "kvbridge_handshake_seconds_sum") * 1000
+            n = read_metric(client, d_url, "kvbridge_handshake_seconds_count")
             print(f"  all up; {n:.0f} decode rank(s) handshaken with the prefill ahead of the "
                   f"first request ({hs:.1f} ms in total); sending prompts\n", flush=True)
             rows = []
             for i, prompt in enumerate(prompts, 1):
-                before = {m: _metric(client, d_url, m) for m in _COLUMNS}
+                before = {m: read_metric(client, d_url, m) for m in _COLUMNS}
                 text, ttft = _stream(client, f"http://127.0.0.1:{xp}", prompt, max_tokens)
-                after = {m: _metric(client, d_url, m) for m in _COLUMNS}
+                after = {m: read_metric(client, d_url, m) for m in _COLUMNS}
                 delta = {m: after[m] - before[m] for m in _COLUMNS}
                 print(f"[{i}] {prompt!r}\n    -> {text!r}", flush=True)
                 rows.append((i, ttft, delta))

@@ -35,6 +35,9 @@ class EchoOrFailConnector:
     def build_worker_meta(self) -> None:
         return None
 
+    def has_pending(self) -> bool:
+        return False
+
     def update(self, worker_outputs) -> ConnectorUpdate:
         loaded = {r: "remote prefill instance unreachable" for r in self.allocated}
         self.allocated = []

@@ -66,6 +66,9 @@ class LocalCopyConnector:
         meta, self.to_start = self.to_start, []
         return meta
 
+    def has_pending(self) -> bool:
+        return False
+
     def update(self, worker_outputs) -> ConnectorUpdate:
         self.num_steps += 1
         loaded = {}

@@ -20,8 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +29,7 @@ from typing import Any
 
 from kvbridge.bench.common import idle_cpu, load_average, proc_stats, progress, pyplot
 from kvbridge.bench.report import percentiles
+from kvbridge.launch import KVBridgeProcess, free_port, read_metric
 
 START_TIMEOUT = 180.0
 SETUPS = ("pd", "mono")
@@ -51,61 +50,11 @@ def _quick(args: argparse.Namespace) -> None:
     args.concurrency, args.prompt_tokens, args.output_tokens, args.requests = "1,2", 16, 4, 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Proc:
-    def __init__(self, name: str, log_dir: Path, *args: str):
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvbridge.cli", "--log-level", "warning", *args],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def tail(self, n: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _wait_healthy(client, proc: _Proc, url: str, deadline: float) -> None:
-    import httpx
-
-    while True:
-        if proc.proc.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited {proc.proc.returncode}:\n{proc.tail()}")
-        try:
-            if client.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{proc.name} not up in {START_TIMEOUT:g} s:\n{proc.tail()}")
-        time.sleep(0.1)
-
-
 def _metric(client, url: str, name: str) -> float:
-    total = 0.0
     try:
-        text = client.get(url + "/metrics", timeout=10).text
-    except Exception:
+        return read_metric(client, url, name)
+    except Exception:  # an engine that died mid-run: the figure is missing, not zero
         return float("nan")
-    for line in text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if not line.startswith("#") and (key == name or key.startswith(name + "{")):
-            total += float(value)
-    return total
 
 
 def _prompt(n: int, i: int) -> str:
@@ -205,29 +154,31 @@ def _setup(name: str, args: argparse.Namespace, tmp: Path, no_prewarm: list[str]
 
     side = ["--handshake", args.handshake, "--side-channel-token-file", str(tmp / "token"),
             "--side-channel-port", "0", "--dtype", args.dtype]
-    procs: dict[str, _Proc] = {}
-    ports = {k: _free_port() for k in ("prefill", "decode", "proxy", "mono")}
+    procs: dict[str, KVBridgeProcess] = {}
+    ports = {k: free_port() for k in ("prefill", "decode", "proxy", "mono")}
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     try:
         progress(f"serve: starting {name}")
         t_start = time.monotonic()
         if name == "pd":
-            procs["prefill"] = _Proc("prefill", tmp, "serve", "--role", "prefill", "--port",
-                                     str(ports["prefill"]), *side)
-            procs["decode"] = _Proc("decode", tmp, "serve", "--role", "decode", "--tp",
-                                    str(args.decode_tp), "--port", str(ports["decode"]), *side)
+            procs["prefill"] = KVBridgeProcess("prefill", tmp, "serve", "--role", "prefill",
+                                               "--port", str(ports["prefill"]), *side)
+            procs["decode"] = KVBridgeProcess("decode", tmp, "serve", "--role", "decode", "--tp",
+                                              str(args.decode_tp), "--port",
+                                              str(ports["decode"]), *side)
         else:
-            procs["mono"] = _Proc("mono", tmp, "serve", "--role", "both", "--port",
-                                  str(ports["mono"]), *side)
+            procs["mono"] = KVBridgeProcess("mono", tmp, "serve", "--role", "both", "--port",
+                                            str(ports["mono"]), *side)
         with httpx.Client(trust_env=False) as client:
             deadline = time.monotonic() + START_TIMEOUT
             for k, p in procs.items():
-                _wait_healthy(client, p, urls[k], deadline)
+                p.wait_healthy(urls[k] + "/health", deadline)
             if name == "pd":
-                procs["proxy"] = _Proc("proxy", tmp, "proxy", "--port", str(ports["proxy"]),
-                                       "--prefill", urls["prefill"], "--decode",
-                                       urls["decode"], *no_prewarm)
-                _wait_healthy(client, procs["proxy"], urls["proxy"], deadline)
+                procs["proxy"] = KVBridgeProcess("proxy", tmp, "proxy", "--port",
+                                                 str(ports["proxy"]), "--prefill",
+                                                 urls["prefill"], "--decode", urls["decode"],
+                                                 *no_prewarm)
+                procs["proxy"].wait_healthy(urls["proxy"] + "/health", deadline)
             startup = time.monotonic() - t_start
             idle = {k: idle_cpu(p.proc.pid, 1.0) for k, p in procs.items()}
             progress(f"serve: {name} up after {startup:.1f} s (idle CPU per process "

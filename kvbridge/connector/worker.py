@@ -164,6 +164,8 @@ class NixlWorkerConnector:
             except InvalidBlockIds as e:
                 return f"{INVALID_PARAMS}: remote_block_ids: {e}"
             except KVBridgeError as e:
+                # e.g. NIXL_ERR_REMOTE_DISCONNECT: the peer died; handshake afresh next time
+                self.peers.invalidate(spec.remote_engine_id)
                 return f"READ from {spec.remote_engine_id} could not start: {e}"
             load.deadline = time.monotonic() + self.spec.transfer_timeout
         still = []

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import ssl
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvbridge.launch import KVBridgeProcess, free_port, read_metric
 from tests.conftest import ROOT
 
 START_TIMEOUT = 180.0
@@ -28,67 +25,27 @@ MAX_TOKENS = 10
 
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Serve:
-    """One ``kvbridge serve`` process; ``url`` is its API."""
+class Serve(KVBridgeProcess):
+    """One ``kvbridge serve`` process (float64, TLS when ``tls`` names the certs); ``url``
+    is its API."""
 
     def __init__(self, name: str, log_dir: Path, *args: str, tls: Path | None = None,
                  port: int | None = None):
-        self.name = name
         self.port = port or free_port()
-        self.scheme = "https" if tls else "http"
-        self.url = f"{self.scheme}://127.0.0.1:{self.port}"
-        self.log = log_dir / f"{name}.log"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.verify = ssl.create_default_context(cafile=str(tls / "ca.pem")) if tls else True
         tls_args = ([] if tls is None else
                     ["--ssl-certfile", str(tls / "prefill.pem"), "--ssl-keyfile",
                      str(tls / "prefill.key"), "--ssl-ca-certs", str(tls / "ca.pem")])
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge.cli", "--log-level", "warning", "serve",
-             "--port", str(self.port), "--dtype", "float64", *tls_args, *args],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
-        self.verify = ssl.create_default_context(cafile=str(tls / "ca.pem")) if tls else True
+        super().__init__(name, log_dir, "serve", "--port", str(self.port), "--dtype", "float64",
+                         *tls_args, *args, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
     def wait_ready(self, deadline: float) -> None:
-        """Polls /health: the process is up once its API answers (a condition, not a sleep)."""
-        with httpx.Client(verify=self.verify) as c:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.tail()}")
-                try:
-                    if c.get(self.url + "/health", timeout=2).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.name} not up in time:\n{self.tail()}")
-                time.sleep(0.1)
+        self.wait_healthy(self.url + "/health", deadline, self.verify)
 
     def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", verify=self.verify, timeout=10).text
-        total = 0.0
-        for line in text.splitlines():
-            key, _, value = line.rpartition(" ")
-            if not line.startswith("#") and (key == name or key.startswith(name + "{")):
-                total += float(value)
-        return total
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        with httpx.Client(verify=self.verify) as c:
+            return read_metric(c, self.url, name)
 
 
 @pytest.fixture(scope="session")

@@ -111,6 +111,10 @@ def test_prefill_killed_after_handshake(decodes, reference, certs, token_file, s
     assert _complete(rec, params) == reference
     assert rec.metric('kvbridge_kv_loads_total{outcome="failed"}') == failed + 1
     assert _free(rec) == free
+    # the dead peer was dropped: the next request naming it handshakes again (and fails)
+    handshakes = rec.metric("kvbridge_handshake_seconds_count")
+    assert _complete(rec, params) == reference
+    assert rec.metric("kvbridge_handshake_seconds_count") == handshakes + 1
 
 
 def test_prefill_restarted_on_same_ports(decodes, reference, certs, token_file, serve_log_dir):
