@@ -32,8 +32,23 @@ class Metrics:
         self.held_released = Counter(
             "kvbridge_held_requests_released",
             "Prefill requests whose held blocks were freed, by why", ["why"], registry=r)
+        self.requests_recomputed = Counter(
+            "kvbridge_requests_recomputed",
+            "Requests whose remote KV failed to load and were computed locally", registry=r)
+        self.side_channel_requests = Counter(
+            "kvbridge_side_channel_requests", "Side-channel requests by route and status",
+            ["route", "status"], registry=r)
+        self.metadata_bytes_served = Counter(
+            "kvbridge_metadata_bytes_served", "Handshake metadata bytes the side channel sent",
+            registry=r)
         self.held_requests = Gauge("kvbridge_held_requests",
                                    "Prefill requests holding blocks for a decode", registry=r)
+
+    def observe_side_channel(self, route: str, status: int, nbytes: int) -> None:
+        """``handshake.base.Observer``: called from the side channel's thread."""
+        self.side_channel_requests.labels(route, str(status)).inc()
+        if status == 200 and route.startswith("handshake"):
+            self.metadata_bytes_served.inc(nbytes)
 
     def track_blocks(self, free: Callable[[], int], total: int) -> None:
         """Block gauges read at scrape time."""

@@ -783,3 +783,26 @@ def test_http_headers_trickled_byte_by_byte_are_cut_at_the_deadline():
         release.set()
         client.close()
     assert elapsed < 1.0 + 0.5
+
+
+@pytest.mark.parametrize("method", ["http", "zmq"])
+def test_observer_sees_every_answered_request(method):
+    """What the side channel reports to metrics: route, status, bytes of each answer."""
+    seen: list[tuple[str, int, int]] = []
+    store = full_store(2)
+    cls = HttpHandshakeServer if method == "http" else ZmqHandshakeServer
+    server = cls(store, HOST, 0, token=TOKEN, observer=lambda *a: seen.append(a))
+    server.start()
+    try:
+        good = make_client(SideChannelConfig(handshake_method=method, token=TOKEN), compat())
+        bad = make_client(SideChannelConfig(handshake_method=method, token="nope"), compat())
+        good.fetch(HOST, server.port, 1)
+        with pytest.raises(AuthError):
+            bad.fetch(HOST, server.port, 1)
+        good.close()
+        bad.close()
+    finally:
+        server.stop()
+    route = "handshake_rank" if method == "http" else "handshake"
+    assert [(r, s) for r, s, _ in seen] == [(route, 200), (route, 401)]
+    assert seen[0][2] == len(store.reply(1).body)

@@ -37,7 +37,8 @@ class NixlSchedulerConnector:
 
     def __init__(self, *, engine_id: str, epoch: str, tp_size: int, total_kv_heads: int,
                  block_bytes: int, side_channel: SideChannelConfig,
-                 lease_seconds: float = DEFAULT_LEASE_SECONDS, metrics: Metrics | None = None):
+                 lease_seconds: float = DEFAULT_LEASE_SECONDS, metrics: Metrics | None = None,
+                 recompute_on_failure: bool = True):
         self.engine_id = engine_id
         self.epoch = epoch
         self.tp_size = tp_size
@@ -45,6 +46,7 @@ class NixlSchedulerConnector:
         self.side_channel = side_channel
         self.lease_seconds = lease_seconds
         self.metrics = metrics or Metrics()
+        self.recompute_on_failure = recompute_on_failure  # the engine's policy, for metrics
         self._loads = LoadAggregator(tp_size)
         self._sends = SendAggregator(tp_size, total_kv_heads)
         self._want: dict[str, dict[str, Any]] = {}       # decode: params of requests awaiting KV
@@ -72,7 +74,8 @@ class NixlSchedulerConnector:
                 raise ValueError(f"worker {meta.tp_rank} reports engine {meta.engine_id} "
                                  f"epoch {meta.epoch}, expected {self.engine_id} {self.epoch}")
             self.store.set_rank(meta)
-        self.server = make_server(self.side_channel, self.store)
+        self.server = make_server(self.side_channel, self.store,
+                                  observer=self.metrics.observe_side_channel)
         self.server.start()
         return self.server
 
@@ -257,4 +260,6 @@ class NixlSchedulerConnector:
             self.metrics.kv_load_seconds.observe(time.monotonic() - started)
         else:
             self.metrics.kv_loads.labels("failed").inc()
+            if self.recompute_on_failure and not err.startswith(INVALID_PARAMS):
+                self.metrics.requests_recomputed.inc()
             log.warning("KV load of request %s failed: %s", rid, err)

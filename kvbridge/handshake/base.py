@@ -13,6 +13,7 @@ import hmac
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbridge.errors import (
@@ -30,6 +31,10 @@ from kvbridge.metadata import (
     encode_envelope,
     to_jsonable,
 )
+
+# Called once per answered request: (route, status, body bytes). How the side channel
+# reports to metrics without knowing about them.
+Observer = Callable[[str, int, int], None]
 
 # Largest request a side channel accepts: requests carry a rank and a token only.
 MAX_REQUEST_BYTES = 16 * 1024

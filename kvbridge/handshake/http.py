@@ -40,6 +40,7 @@ from kvbridge.handshake.base import (
     HandshakeClient,
     HandshakeServer,
     MetadataStore,
+    Observer,
     Reply,
     _Retry,
     token_ok,
@@ -51,7 +52,8 @@ MSGPACK = "application/vnd.msgpack"
 PATH = "/v1/kv/handshake"
 
 
-def build_app(store: MetadataStore, token: str | None) -> ASGIApp:
+def build_app(store: MetadataStore, token: str | None,
+              observer: Observer | None = None) -> ASGIApp:
     def _error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status)
 
@@ -87,7 +89,42 @@ def build_app(store: MetadataStore, token: str | None) -> ASGIApp:
         Route("/readyz", readyz, methods=["GET"]),
     ])
     app.router.redirect_slashes = False  # a side channel answers or refuses; no redirects
-    return _BodyLimit(app, MAX_REQUEST_BYTES)
+    limited = _BodyLimit(app, MAX_REQUEST_BYTES)
+    return limited if observer is None else _Observe(limited, observer)
+
+
+def _route(path: str) -> str:
+    if path == PATH:
+        return "handshake_all"
+    if path.startswith(PATH + "/"):
+        return "handshake_rank"
+    return path.strip("/") if path in ("/healthz", "/readyz") else "other"
+
+
+class _Observe:
+    """Tell the observer each request's route, status and body size."""
+
+    def __init__(self, app: ASGIApp, observer: Observer):
+        self.app = app
+        self.observer = observer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        seen = {"status": 500, "bytes": 0}
+
+        async def watch(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+            elif message["type"] == "http.response.body":
+                seen["bytes"] += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            self.observer(_route(scope["path"]), seen["status"], seen["bytes"])
 
 
 class _BodyLimit:
@@ -118,8 +155,9 @@ class HttpHandshakeServer(HandshakeServer):
     method = "http"
 
     def __init__(self, store: MetadataStore, host: str, port: int, *, token: str | None = None,
-                 tls: TLSConfig | None = None, limit_concurrency: int = 2048):
-        self._app = build_app(store, token)
+                 tls: TLSConfig | None = None, limit_concurrency: int = 2048,
+                 observer: Observer | None = None):
+        self._app = build_app(store, token, observer)
         self._tls = tls or TLSConfig()
         # Bind now so the port is known (port 0 = ephemeral) and connections that
         # arrive before uvicorn runs wait in the backlog instead of being refused.

@@ -20,6 +20,7 @@ from kvbridge.handshake.base import (
     HandshakeClient,
     HandshakeServer,
     MetadataStore,
+    Observer,
     Reply,
     token_ok,
 )
@@ -52,8 +53,10 @@ def _tcp(host: str, port: int) -> str:
 class ZmqHandshakeServer(HandshakeServer):
     method = "zmq"
 
-    def __init__(self, store: MetadataStore, host: str, port: int, *, token: str | None = None):
+    def __init__(self, store: MetadataStore, host: str, port: int, *, token: str | None = None,
+                 observer: Observer | None = None):
         self._store = store
+        self._observer = observer
         self._token = token
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -115,6 +118,8 @@ class ZmqHandshakeServer(HandshakeServer):
                 reply = self.handle(payload) if well_formed else ZmqReply(
                     400, "malformed request: unexpected frames", b"")
                 self._sock.send_multipart([ident, *delim, _encoder.encode(reply)])
+                if self._observer is not None:
+                    self._observer("handshake", reply.status, len(reply.envelope))
             except Exception:  # one bad peer must not stop the side channel
                 log.exception("side channel: failed to answer a request")
 

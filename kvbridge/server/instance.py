@@ -90,7 +90,8 @@ class Instance:
             engine_id=self.engine_id, epoch=self.epoch, tp_size=opts.tp_size,
             total_kv_heads=cfg.num_key_value_heads,
             block_bytes=_block_bytes(cfg, opts), side_channel=opts.side_channel,
-            lease_seconds=opts.lease_seconds, metrics=self.metrics)
+            lease_seconds=opts.lease_seconds, metrics=self.metrics,
+            recompute_on_failure=opts.kv_load_failure_policy == "recompute")
         factory = NixlWorkerConnectorFactory(
             engine_id=self.engine_id, epoch=self.epoch, model=identity,
             total_kv_heads=cfg.num_key_value_heads, side_channel=opts.side_channel,

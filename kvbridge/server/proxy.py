@@ -24,6 +24,13 @@ import anyio
 import certifi
 import httpx
 import uvicorn
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -209,6 +216,14 @@ class _Proxy:
         # (prefill url, decode url) -> "ok" or the reason it failed; filled in the background
         self.prewarmed: dict[tuple[str, str], str] = {}
         self.prewarm_done = asyncio.Event()
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvbridge_proxy_requests", "Client requests by route and status",
+                                ["route", "status"], registry=r)
+        self.prefill_seconds = Histogram("kvbridge_proxy_prefill_seconds",
+                                         "Duration of the prefill hop", registry=r)
+        self.upstream_errors = Counter("kvbridge_proxy_upstream_errors",
+                                       "Engines that could not be reached, by hop", ["stage"],
+                                       registry=r)
         self.decode_urls = decode_urls
         self._prefills = itertools.cycle(prefill_urls)
         self._decodes = itertools.cycle(decode_urls)
@@ -304,9 +319,14 @@ class _Proxy:
         self, endpoint: str
     ) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         async def handle(request: Request) -> Response:
-            return await self._handle_completion(request, endpoint)
+            response = await self._handle_completion(request, endpoint)
+            self.requests.labels(endpoint, str(response.status_code)).inc()
+            return response
 
         return handle
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def _handle_completion(self, request: Request, endpoint: str) -> Response:
         try:
@@ -320,11 +340,14 @@ class _Proxy:
 
         prefill = next(self._prefills)
         try:
-            presp = await self.client.post(
-                prefill + endpoint, content=_dumps(_prefill_body(body, endpoint)), headers=headers
-            )
+            with self.prefill_seconds.time():
+                presp = await self.client.post(
+                    prefill + endpoint, content=_dumps(_prefill_body(body, endpoint)),
+                    headers=headers,
+                )
         except httpx.HTTPError as exc:
             log.warning("request %s: prefill %s failed: %r", request_id, prefill, exc)
+            self.upstream_errors.labels("prefill").inc()
             return _transport_error("prefill", prefill, exc)
         if not presp.is_success:
             message, etype, param = _upstream_reason(presp)
@@ -371,6 +394,7 @@ class _Proxy:
             dresp = await self.client.send(dreq, stream=True)
         except httpx.HTTPError as exc:
             log.warning("request %s: decode %s failed: %r", request_id, decode, exc)
+            self.upstream_errors.labels("decode").inc()
             return _transport_error("decode", decode, exc)
         return _UpstreamResponse(dresp, decode, request_id)
 
@@ -447,6 +471,7 @@ def build_proxy_app(
         Route("/health", proxy.health, methods=["GET"]),
         Route("/healthz/backends", proxy.backends_health, methods=["GET"]),
         Route("/v1/kv/prewarm", proxy.prewarm_status, methods=["GET"]),
+        Route("/metrics", proxy.metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=proxy.lifespan)
     app.state.proxy = proxy

@@ -95,10 +95,12 @@ def _dead_params(cluster) -> dict:
 def test_dead_side_channel_recompute(cluster, reference):
     d = cluster["d1"]
     free = d.metric("kvbridge_blocks_free")
+    recomputed = d.metric("kvbridge_requests_recomputed_total")
     prompt = PROMPTS[1]
     got = _complete(d.url, prompt, verify=d.verify, kv_transfer_params=_dead_params(cluster))
     assert got == reference[prompt]
     assert d.metric("kvbridge_blocks_free") == free
+    assert d.metric("kvbridge_requests_recomputed_total") == recomputed + 1
     # and it keeps serving
     assert _complete(d.url, PROMPTS[2], verify=d.verify) == reference[PROMPTS[2]]
 
@@ -187,6 +189,8 @@ def test_metrics_move_by_exactly_what_happened(cluster, reference, certs):
     with _proxy(cluster, certs, p.name, d.name) as proxy:
         for prompt in PROMPTS:
             assert _complete(proxy.url, prompt) == reference[prompt]
+        served = httpx.get(proxy.url + "/metrics").text
+    assert 'kvbridge_proxy_requests_total{route="/v1/completions",status="200"} 3.0' in served
     # the byte tokenizer: one token per byte plus BOS; 16 tokens per block
     blocks = sum(-(-(len(q.encode()) + 1) // 16) for q in PROMPTS)
     block_bytes = 2 * 2 * 4 * 16 * 16 * 8  # layers, K/V, KV heads, block size, head dim, f64
