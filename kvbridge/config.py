@@ -55,15 +55,6 @@ class TLSConfig:
     def enabled(self) -> bool:
         return self.certfile is not None
 
-    def server_context(self) -> ssl.SSLContext:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(self.certfile, self.keyfile)
-        ctx.verify_mode = ssl.VerifyMode(self.cert_reqs)
-        if self.ca_certs:
-            ctx.load_verify_locations(self.ca_certs)
-        return ctx
-
     def client_context(self) -> ssl.SSLContext:
         """Verify the server against ``ca_certs`` (system store if unset); present our
         certificate so a server that requires client certificates accepts us."""
