@@ -103,3 +103,22 @@ def test_request_without_remote_decode_is_not_held():
     c = _connector(1)
     assert c.on_finished("x", [1, 2], None) == (False, None)
     assert c.on_finished("y", [1, 2], {"do_remote_decode": False}) == (False, None)
+
+
+def test_an_http_instance_refuses_to_be_talked_down_to_zmq():
+    c = NixlSchedulerConnector(engine_id="e", epoch="ep", tp_size=1, total_kv_heads=4,
+                               block_bytes=1, side_channel=SideChannelConfig(
+                                   handshake_method="http"))
+    params = {"do_remote_prefill": True, "remote_block_ids": [1], "remote_engine_id": "p",
+              "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1,
+              "handshake_method": "zmq"}
+    c.num_remote_tokens("d", [1, 2], params)
+    c.on_blocks_allocated("d", [0])
+    assert c.build_worker_meta().loads == []  # nothing reaches the workers
+    (err,) = c.update([None]).loaded.values()
+    assert err.startswith("invalid kv_transfer_params") and "refuses zmq" in err
+    # the other way round is an upgrade, and fine
+    z = _connector(1)
+    z.num_remote_tokens("d", [1, 2], {**params, "handshake_method": "http"})
+    z.on_blocks_allocated("d", [0])
+    assert [s.method for s in z.build_worker_meta().loads] == ["http"]

@@ -82,11 +82,10 @@ class NixlSchedulerConnector:
     def discover(self, host: str, port: int, method: str | None = None) -> PeerSpec:
         """Ask a prefill's side channel who it is (engine id, TP size, epoch): blocking,
         bounded by the handshake timeout. Used to handshake before the first request."""
-        method = method or self.side_channel.handshake_method
-        if method not in METHODS:
-            raise ConfigError(f"unknown handshake method {method!r}")
-        if self.side_channel.handshake_method == "http" and method == "zmq":
-            raise ConfigError("this instance uses the http handshake and refuses zmq")
+        try:
+            method = self._method(method)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         client = make_client(self.side_channel, self.compat, method)
         try:
             ranks = client.fetch(host, port, None)
@@ -97,6 +96,16 @@ class NixlSchedulerConnector:
                 (first.engine_id, first.epoch)}:
             raise HandshakeError(f"{host}:{port} answered an inconsistent set of ranks")
         return PeerSpec(first.engine_id, host, port, first.tp_size, first.epoch, method)
+
+    def _method(self, requested: object) -> str:
+        """The handshake method a peer asks for, if we accept it: an http instance never
+        lets a request talk it down to zmq (unauthenticated, unencrypted)."""
+        method = str(requested or self.side_channel.handshake_method)
+        if method not in METHODS:
+            raise ValueError(f"unknown handshake_method {method!r}")
+        if self.side_channel.handshake_method == "http" and method == "zmq":
+            raise ValueError("this instance uses the http handshake and refuses zmq")
+        return method
 
     def expect_prewarm(self, engine_id: str, workers: int) -> None:
         """``workers`` ranks started a handshake with ``engine_id`` ahead of any request:
@@ -150,7 +159,7 @@ class NixlSchedulerConnector:
         try:
             spec = self._load_spec(request_id, p, block_ids)
         except (KeyError, TypeError, ValueError) as e:
-            # Bad params fail this request through the engine's policy; nothing else.
+            # Bad params fail this request alone, with a 400 (never recomputed).
             self._refused[request_id] = f"{INVALID_PARAMS}: {e}"
             return
         self._load_blocks[request_id] = len(spec.local_block_ids)
@@ -160,12 +169,7 @@ class NixlSchedulerConnector:
         remote = [int(b) for b in p["remote_block_ids"]]
         if any(b < 0 for b in remote):
             raise ValueError("negative remote block id")
-        method = str(p.get("handshake_method") or self.side_channel.handshake_method)
-        if method not in METHODS:
-            raise ValueError(f"unknown handshake_method {method!r}")
-        if self.side_channel.handshake_method == "http" and method == "zmq":
-            # A request must not talk us into the unauthenticated, unencrypted method.
-            raise ValueError("this instance uses the http handshake and refuses zmq")
+        method = self._method(p.get("handshake_method"))
         port, tp = int(p["remote_port"]), int(p.get("tp_size") or 1)
         if not 0 < port < 65536 or tp < 1:
             raise ValueError(f"remote_port {port} or tp_size {tp} out of range")
