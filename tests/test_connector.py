@@ -1,4 +1,5 @@
-"""Per-worker finished-sending/receiving aggregation, including workers that report nothing."""
+"""The connector's scheduler side: per-worker aggregation (including workers that report
+nothing), holds, leases, and which kv_transfer_params reach the workers."""
 
 from __future__ import annotations
 
