@@ -90,17 +90,26 @@ def test_transfer(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_serve(tmp_path):
-    """SLOW (~15-30 s, over the 25 s aimed at): starts prefill, decode and proxy, then a
-    monolithic engine, one set-up after the other; the engines' start-up dominates."""
-    d = _run("serve", tmp_path)
+    """SLOW (~15-30 s, over the 25 s aimed at): starts two P/D set-ups (prefill, decode,
+    proxy; one proxy prewarming) and a monolithic engine; the engines' start-up dominates."""
+    d = _run("serve", tmp_path, "--no-spin-baseline")
     for setup in ("pd", "mono"):
         assert [r["concurrency"] for r in d["results"][setup]] == d["config"]["levels"]
         for r in d["results"][setup]:
             assert r["errors"] == 0, r["error_samples"]
             _positive(r["tokens_per_s"], r["ttft_ms"]["p50"], r["ttft_ms"]["p99"],
                       r["itl_ms"]["p50"], r["output_tokens"])
+    for setup in ("pd", "pd_prewarmed", "mono"):
         for which in ("first", "second"):
             _positive(d["first_requests"][setup][which]["ttft_ms"])
+    assert "pd_prewarmed" not in d["results"]
+    # cold: the first request paid the handshake; prewarmed: the proxy had it done before
     _positive(d["first_requests"]["pd"]["first"]["decode_handshake_ms"])
+    assert d["first_requests"]["pd_prewarmed"]["first"]["decode_handshake_ms"] == 0
+    _positive(d["first_requests"]["pd_prewarmed"]["handshake_done_ahead_ms"])
+    assert d["prewarm"]["done"] and all(x["outcome"] == "ok" for x in d["prewarm"]["pairs"])
+    for k, v in d["idle_cpu_per_s"].items():
+        assert math.isfinite(v) and v >= 0, k
     for o in d["pd_over_mono"]:
         _positive(o["ttft_p50"], o["itl_p50"], o["tokens_per_s"])
+    _goals(d)

@@ -118,36 +118,6 @@ def pyplot():
     return plt
 
 
-class nixl_progress_thread:
-    """Within this block, NIXL agents (also those kvbridge's ``NixlAgent`` creates) get a
-    progress thread only if ``enabled``.
-
-    nixl's Python wrapper starts the progress thread with no delay between polls: each
-    agent's thread spins a core even when idle. The benchmarks that need no background
-    progress turn it off so that spinning does not take the CPU they measure (reported
-    separately as ``idle_cpu``).
-    """
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-
-    def __enter__(self) -> None:
-        from kvbridge.transfer import _nixl_api
-
-        api = _nixl_api()
-        self._api, self._orig = api, api.nixl_agent_config
-        orig, enabled = self._orig, self.enabled
-
-        def config(*args: Any, **kwargs: Any):
-            kwargs.setdefault("enable_prog_thread", enabled)
-            return orig(*args, **kwargs)
-
-        api.nixl_agent_config = config
-
-    def __exit__(self, *exc: object) -> None:
-        self._api.nixl_agent_config = self._orig
-
-
 def idle_cpu(pid: int, seconds: float = 1.0) -> float:
     """CPU seconds per second a process uses while we send it nothing."""
     a = proc_stats(pid)["cpu_seconds"]

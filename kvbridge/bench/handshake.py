@@ -102,6 +102,7 @@ def _stats(samples: list[float]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvbridge.metadata import compat_of
     from kvbridge.tp_mapping import plan_reads
+    from kvbridge.transfer import PROGRESS_DELAY_US
 
     if args.quick:
         _quick(args)
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         certs = write_certs(Path(t))
         shape = ["--layers", str(args.layers), "--kv-heads", str(args.kv_heads), "--head-dim",
                  str(args.head_dim), "--block-size", str(args.block_size), "--num-blocks",
-                 str(args.num_blocks)] + (["--progress-thread"] if args.progress_thread else [])
+                 str(args.num_blocks)]
         progress(f"handshake: starting the server (TP {args.tp}, {args.layers} layers, "
                  f"{args.num_blocks} blocks per rank)")
         with Child("sidechannel", "--tp", str(args.tp), "--methods", ",".join(METHODS),
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "warmup": args.warmup, "cold": args.cold, "token": True,
                    "https": "TLS, server cert verified against a trustme CA",
                    "descriptors_prepared_per_cold_handshake": 2 * descs,
-                   "nixl_progress_thread": args.progress_thread, "quick": args.quick},
+                   "nixl_progress_delay_us": PROGRESS_DELAY_US, "quick": args.quick},
         "metadata": {k: info[k] for k in ("envelope_bytes_per_rank",
                                           "agent_metadata_bytes_per_rank",
                                           "envelope_bytes_all_ranks")},

@@ -32,15 +32,12 @@ def kv_shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=128)
-    p.add_argument("--progress-thread", action="store_true",
-                   help="give NIXL agents their (spinning) progress thread, as kvbridge does")
 
 
 def make_agents(args: argparse.Namespace, tp: int, count: int | None = None) -> list:
     """``count`` (default ``tp``) agents, each with a KV cache shaped like one rank of ``tp``."""
     import torch
 
-    from kvbridge.bench.common import nixl_progress_thread
     from kvbridge.tp_mapping import heads_per_rank
     from kvbridge.transfer import NixlAgent, allocate_kv_cache
 
@@ -49,8 +46,7 @@ def make_agents(args: argparse.Namespace, tp: int, count: int | None = None) -> 
         kv = allocate_kv_cache(args.layers, args.num_blocks,
                                heads_per_rank(tp, args.kv_heads), args.block_size,
                                args.head_dim, torch.float16)
-        with nixl_progress_thread(args.progress_thread):
-            agent = NixlAgent()
+        agent = NixlAgent()  # as kvbridge makes them (progress thread with its delay)
         agent.register_kv_cache(kv, args.kv_heads)
         agents.append(agent)
     return agents
@@ -101,14 +97,13 @@ def pattern(nbytes: int):
 def transfer(args: argparse.Namespace) -> None:
     import torch
 
-    from kvbridge.transfer import _nixl_api
+    from kvbridge.transfer import _new_agent, _nixl_api
 
     api = _nixl_api()
     # Touch every page now (and give it a pattern) so no READ pays first-touch faults.
     buf = torch.from_numpy(pattern(args.pool_bytes))
     name = f"bench-src-{uuid.uuid4().hex[:8]}"
-    agent = api.nixl_agent(name, api.nixl_agent_config(
-        backends=["UCX"], enable_prog_thread=args.progress_thread))
+    agent = _new_agent(api, name)  # as kvbridge's: progress thread with its delay
     reg = agent.register_memory([(buf.data_ptr(), buf.nbytes, 0, "")], mem_type="DRAM")
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -154,7 +149,6 @@ def main() -> None:
     kv_shape_args(s)
     t = sub.add_parser("transfer")
     t.add_argument("--pool-bytes", type=int, required=True)
-    t.add_argument("--progress-thread", action="store_true")
     args = p.parse_args()
     {"sidechannel": sidechannel, "transfer": transfer}[args.role](args)
 

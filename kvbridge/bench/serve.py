@@ -1,17 +1,22 @@
-"""``kvbridge bench serve``: a load generator against a P/D setup and a single engine.
+"""``kvbridge bench serve``: a load generator against P/D setups and a single engine.
 
-Starts, as separate processes like tests/e2e do, ``kvbridge serve --role prefill``,
-``kvbridge serve --role decode`` and ``kvbridge proxy`` (http handshake with a token; the
-proxy's start-up prewarm switched off when it has one, so that the first request pays
-the handshake), and a monolithic ``kvbridge serve --role both``, all on loopback. All
-run the built-in tiny model. The two setups run one after the other (each engine's
-NIXL progress thread spins a core, even idle: a setup left running would steal the CPU of
-the other on a small machine); their idle CPU is reported.
+Starts, as separate processes like tests/e2e do, all at once, on loopback, all running
+the built-in tiny model (http handshake with a token):
 
-Per setup: the first request after start-up (P/D: it pays the decode's handshake with
-the prefill) and the second one, then per concurrency level a closed loop of streamed
-completions (``ignore_eos``, exact output length): TTFT p50/p99, inter-token latency
-p50/p99, output tokens/s, errors. P/D overhead = P/D figure / monolithic figure.
+* ``pd``: ``kvbridge serve --role prefill``, ``kvbridge serve --role decode`` and
+  ``kvbridge proxy --no-prewarm``: the first request pays the decode's handshake;
+* ``pd_prewarmed``: the same three, the proxy given the side-channel token
+  (``--kv-token-file``) so that it has the decode handshake at start-up; the first
+  request is sent once the proxy's ``GET /v1/kv/prewarm`` reports done;
+* ``mono``: one ``kvbridge serve --role both``.
+
+Per setup: the first request after start-up and the second one; then, for ``pd`` and
+``mono`` only, per concurrency level a closed loop of streamed completions (``ignore_eos``,
+exact output length), the two setups interleaved level by level: TTFT p50/p99,
+inter-token latency p50/p99, output tokens/s, errors. P/D overhead = P/D figure /
+monolithic figure. The idle CPU of every process is measured once all are up (NIXL
+agents used to spin a core each; ``--spin-baseline`` also measures an engine started with
+``KVBRIDGE_NIXL_PROGRESS_DELAY_US=0``, nixl's own setting, for comparison).
 """
 
 from __future__ import annotations
@@ -20,19 +25,19 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from kvbridge.bench.common import idle_cpu, load_average, proc_stats, progress, pyplot
+from kvbridge.bench.common import load_average, proc_stats, progress, pyplot
 from kvbridge.bench.report import percentiles
 from kvbridge.launch import KVBridgeProcess, free_port, read_metric
 
 START_TIMEOUT = 180.0
-SETUPS = ("pd", "mono")
+SETUPS = ("pd", "pd_prewarmed", "mono")
+SWEPT = ("pd", "mono")  # the concurrency sweep skips pd_prewarmed (its first request is the point)
+TRANSFER_SLACK_MS = 10.0  # goal: P/D TTFT <= monolithic TTFT + 10 ms + the KV transfer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--handshake", choices=["http", "zmq"], default="http")
     p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--no-spin-baseline", dest="spin_baseline", action="store_false",
+                   help="skip the idle-CPU check of an engine with the progress delay at 0")
 
 
 def _quick(args: argparse.Namespace) -> None:
@@ -129,98 +136,159 @@ async def _level(url: str, concurrency: int, requests: int, args: argparse.Names
             "prompt_tokens": results[0]["prompt_tokens"] if results else 0}
 
 
-def _first_two(client, url: str, args: argparse.Namespace, metrics_url: str | None
+def _first_two(client, url: str, args: argparse.Namespace, decode_url: str | None
                ) -> dict[str, Any]:
     """The first request after start-up and the second one, one at a time."""
     out: dict[str, Any] = {}
     for label in ("first", "second"):
-        hs0 = _metric(client, metrics_url, "kvbridge_handshake_seconds_sum") \
-            if metrics_url else float("nan")
+        hs0 = _metric(client, decode_url, "kvbridge_handshake_seconds_sum") \
+            if decode_url else float("nan")
         r = asyncio.run(_level(url, 1, 1, args, seed=10_000 + len(out)))
-        hs1 = _metric(client, metrics_url, "kvbridge_handshake_seconds_sum") \
-            if metrics_url else float("nan")
+        hs1 = _metric(client, decode_url, "kvbridge_handshake_seconds_sum") \
+            if decode_url else float("nan")
         if r["requests"] != 1:
             raise RuntimeError(f"{label} request to {url} failed: {r['error_samples']}")
         out[label] = {"ttft_ms": r["ttft_ms"]["p50"], "latency_ms": r["latency_ms"]["p50"]}
-        if metrics_url:  # the decode's own account of the handshake it did
+        if decode_url:  # the decode's own account of the handshake it did for this request
             out[label]["decode_handshake_ms"] = 1000 * (hs1 - hs0)
     return out
 
 
-def _setup(name: str, args: argparse.Namespace, tmp: Path, no_prewarm: list[str]
-           ) -> dict[str, Any]:
-    """Start one setup, measure it, stop it."""
-    import httpx
+def _idle_cpus(procs: dict[str, KVBridgeProcess], seconds: float) -> dict[str, float]:
+    """CPU seconds per second of each process over the same ``seconds`` of no requests."""
+    a = {k: proc_stats(p.proc.pid)["cpu_seconds"] for k, p in procs.items()}
+    time.sleep(seconds)
+    return {k: (proc_stats(p.proc.pid)["cpu_seconds"] - a[k]) / seconds
+            for k, p in procs.items()}
 
-    side = ["--handshake", args.handshake, "--side-channel-token-file", str(tmp / "token"),
-            "--side-channel-port", "0", "--dtype", args.dtype]
-    procs: dict[str, KVBridgeProcess] = {}
-    ports = {k: free_port() for k in ("prefill", "decode", "proxy", "mono")}
-    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+
+def _wait_prewarm(client, proxy_url: str, deadline: float) -> dict[str, Any]:
+    """Poll the proxy's ``GET /v1/kv/prewarm`` until it reports done; every pair must be ok."""
+    while True:
+        st = client.get(proxy_url + "/v1/kv/prewarm", timeout=5).json()
+        if st["done"]:
+            bad = [x for x in st["pairs"] if x["outcome"] != "ok"]
+            if bad or not st["pairs"]:
+                raise RuntimeError(f"proxy prewarm failed: {st}")
+            return st
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"proxy prewarm not done in time: {st}")
+        time.sleep(0.05)
+
+
+def _spin_baseline(tmp: Path, side: list[str]) -> float:
+    """Idle CPU of a ``--role both`` engine whose NIXL progress thread has no delay."""
+    port = free_port()
+    proc = KVBridgeProcess("spin", tmp, "serve", "--role", "both", "--port", str(port), *side,
+                           env={**os.environ, "KVBRIDGE_NIXL_PROGRESS_DELAY_US": "0"})
     try:
-        progress(f"serve: starting {name}")
-        t_start = time.monotonic()
-        if name == "pd":
-            procs["prefill"] = KVBridgeProcess("prefill", tmp, "serve", "--role", "prefill",
-                                               "--port", str(ports["prefill"]), *side)
-            procs["decode"] = KVBridgeProcess("decode", tmp, "serve", "--role", "decode", "--tp",
-                                              str(args.decode_tp), "--port",
-                                              str(ports["decode"]), *side)
-        else:
-            procs["mono"] = KVBridgeProcess("mono", tmp, "serve", "--role", "both", "--port",
-                                            str(ports["mono"]), *side)
-        with httpx.Client(trust_env=False) as client:
-            deadline = time.monotonic() + START_TIMEOUT
-            for k, p in procs.items():
-                p.wait_healthy(urls[k] + "/health", deadline)
-            if name == "pd":
-                procs["proxy"] = KVBridgeProcess("proxy", tmp, "proxy", "--port",
-                                                 str(ports["proxy"]), "--prefill",
-                                                 urls["prefill"], "--decode", urls["decode"],
-                                                 *no_prewarm)
-                procs["proxy"].wait_healthy(urls["proxy"] + "/health", deadline)
-            startup = time.monotonic() - t_start
-            idle = {k: idle_cpu(p.proc.pid, 1.0) for k, p in procs.items()}
-            progress(f"serve: {name} up after {startup:.1f} s (idle CPU per process "
-                     f"{ {k: round(v, 2) for k, v in idle.items()} }); first requests")
-            target = urls["proxy"] if name == "pd" else urls["mono"]
-            first = _first_two(client, target, args, urls["decode"] if name == "pd" else None)
-        runs = []
-        for c in args.levels:
-            n = args.requests or max(12, 3 * c)
-            cpu0 = {k: proc_stats(p.proc.pid)["cpu_seconds"] for k, p in procs.items()}
-            r = asyncio.run(_level(target, c, n, args, seed=1000 * c))
-            r["cpu_seconds"] = {k: proc_stats(p.proc.pid)["cpu_seconds"] - cpu0[k]
-                                for k, p in procs.items()}
-            runs.append(r)
-            progress(f"serve: {name:<4} x{c}: TTFT p50 {r['ttft_ms']['p50']:.1f} ms, ITL p50 "
-                     f"{r['itl_ms']['p50']:.1f} ms, {r['tokens_per_s']:.0f} tok/s, "
-                     f"{r['errors']} errors")
-        peak = {k: proc_stats(p.proc.pid)["peak_rss_mib"] for k, p in procs.items()}
+        proc.wait_healthy(f"http://127.0.0.1:{port}/health", time.monotonic() + START_TIMEOUT)
+        time.sleep(1.0)  # let start-up work settle, as for the others
+        return _idle_cpus({"spin": proc}, 2.0)["spin"]
     finally:
-        for p in procs.values():
-            p.stop()
-    return {"startup_seconds": startup, "idle_cpu_per_s": idle, "first": first, "runs": runs,
-            "peak_rss_mib": peak}
+        proc.stop()
+
+
+def _transfer_ms(client, decode_url: str) -> tuple[float, float]:
+    return (_metric(client, decode_url, "kvbridge_kv_load_seconds_sum"),
+            _metric(client, decode_url, "kvbridge_kv_load_seconds_count"))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    from kvbridge.transfer import PROGRESS_DELAY_US
+
     if args.quick:
         _quick(args)
     args.levels = [int(x) for x in str(args.concurrency).split(",")]
     load_before = load_average()
-    proxy_help = subprocess.run([sys.executable, "-m", "kvbridge.cli", "proxy", "--help"],
-                                capture_output=True, text=True).stdout
-    no_prewarm = ["--no-prewarm"] if "--no-prewarm" in proxy_help else []
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-serve-") as t:
         tmp = Path(t)
         token = tmp / "token"
         token.write_text(os.urandom(16).hex())
         token.chmod(0o600)
-        # One setup at a time: each engine's NIXL progress thread spins a core even when
-        # idle, so a setup left running would take the CPU of the one measured.
-        setups = {name: _setup(name, args, tmp, no_prewarm) for name in SETUPS}
-    runs = {k: v["runs"] for k, v in setups.items()}
+        side = ["--handshake", args.handshake, "--side-channel-token-file", str(token),
+                "--side-channel-port", "0", "--dtype", args.dtype]
+        # Every setup runs at the same time (idle NIXL agents no longer spin a core, see
+        # idle_cpu_per_s), so that the sweep can interleave P/D and monolithic per level.
+        names = {"pd": ("prefill", "decode", "proxy"),
+                 "pd_prewarmed": ("prefill", "decode", "proxy"), "mono": ("mono",)}
+        ports = {s: {k: free_port() for k in ks} for s, ks in names.items()}
+        urls = {s: {k: f"http://127.0.0.1:{p}" for k, p in ps.items()}
+                for s, ps in ports.items()}
+        proxy_args = {"pd": ["--no-prewarm"], "pd_prewarmed": ["--kv-token-file", str(token)]}
+        procs: dict[str, dict[str, KVBridgeProcess]] = {s: {} for s in SETUPS}
+        try:
+            progress("serve: starting every set-up (P/D cold, P/D prewarmed, monolithic)")
+            t_start = time.monotonic()
+            for s in ("pd", "pd_prewarmed"):
+                procs[s]["prefill"] = KVBridgeProcess(
+                    f"{s}-prefill", tmp, "serve", "--role", "prefill", "--port",
+                    str(ports[s]["prefill"]), *side)
+                procs[s]["decode"] = KVBridgeProcess(
+                    f"{s}-decode", tmp, "serve", "--role", "decode", "--tp", str(args.decode_tp),
+                    "--port", str(ports[s]["decode"]), *side)
+            procs["mono"]["mono"] = KVBridgeProcess("mono", tmp, "serve", "--role", "both",
+                                                    "--port", str(ports["mono"]["mono"]), *side)
+            deadline = time.monotonic() + START_TIMEOUT
+            with httpx.Client(trust_env=False) as client:
+                for s in SETUPS:
+                    for k, p in procs[s].items():
+                        p.wait_healthy(urls[s][k] + "/health", deadline)
+                for s in ("pd", "pd_prewarmed"):
+                    procs[s]["proxy"] = KVBridgeProcess(
+                        f"{s}-proxy", tmp, "proxy", "--port", str(ports[s]["proxy"]),
+                        "--prefill", urls[s]["prefill"], "--decode", urls[s]["decode"],
+                        *proxy_args[s])
+                for s in ("pd", "pd_prewarmed"):
+                    procs[s]["proxy"].wait_healthy(urls[s]["proxy"] + "/health", deadline)
+                t_ready = time.monotonic()
+                prewarm = _wait_prewarm(client, urls["pd_prewarmed"]["proxy"], deadline)
+                prewarm_wait = time.monotonic() - t_ready
+                startup = time.monotonic() - t_start
+                ahead_ms = 1000 * _metric(client, urls["pd_prewarmed"]["decode"],
+                                          "kvbridge_handshake_seconds_sum")
+                time.sleep(1.0)  # let start-up work settle before the idle reading
+                flat = {f"{s}/{k}": p for s in SETUPS for k, p in procs[s].items()}
+                idle = _idle_cpus(flat, 2.0)
+                progress(f"serve: all up after {startup:.1f} s (idle CPU per process "
+                         f"{ {k: round(v, 3) for k, v in idle.items()} }); first requests")
+                target = {"pd": urls["pd"]["proxy"], "pd_prewarmed": urls["pd_prewarmed"]["proxy"],
+                          "mono": urls["mono"]["mono"]}
+                first = {s: _first_two(client, target[s], args,
+                                       urls[s]["decode"] if s != "mono" else None)
+                         for s in SETUPS}
+                first["pd_prewarmed"]["handshake_done_ahead_ms"] = ahead_ms
+                for p in procs.pop("pd_prewarmed").values():  # not in the sweep
+                    p.stop()
+                runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SWEPT}
+                for c in args.levels:  # interleaved: drift of the machine hits both alike
+                    n = args.requests or max(12, 3 * c)
+                    for s in SWEPT:
+                        cpu0 = {k: proc_stats(p.proc.pid)["cpu_seconds"]
+                                for k, p in procs[s].items()}
+                        kv0 = _transfer_ms(client, urls[s]["decode"]) if s == "pd" else None
+                        r = asyncio.run(_level(target[s], c, n, args, seed=1000 * c))
+                        r["cpu_seconds"] = {k: proc_stats(p.proc.pid)["cpu_seconds"] - cpu0[k]
+                                            for k, p in procs[s].items()}
+                        if kv0 is not None:  # the decode's own timing of the KV loads
+                            kv1 = _transfer_ms(client, urls[s]["decode"])
+                            loads = kv1[1] - kv0[1]
+                            r["kv_loads"] = loads
+                            r["kv_load_ms_mean"] = (1000 * (kv1[0] - kv0[0]) / loads
+                                                    if loads else float("nan"))
+                        runs[s].append(r)
+                        progress(f"serve: {s:<4} x{c}: TTFT p50 {r['ttft_ms']['p50']:.1f} ms, "
+                                 f"ITL p50 {r['itl_ms']['p50']:.1f} ms, "
+                                 f"{r['tokens_per_s']:.0f} tok/s, {r['errors']} errors")
+                peak = {f"{s}/{k}": proc_stats(p.proc.pid)["peak_rss_mib"]
+                        for s in SWEPT for k, p in procs[s].items()}
+        finally:
+            for ps in procs.values():
+                for p in ps.values():
+                    p.stop()
+        spin = _spin_baseline(tmp, side) if args.spin_baseline else None
     overhead = []
     for pd, mono in zip(runs["pd"], runs["mono"], strict=True):
         overhead.append({
@@ -228,22 +296,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "ttft_p50": pd["ttft_ms"]["p50"] / mono["ttft_ms"]["p50"],
             "ttft_p99": pd["ttft_ms"]["p99"] / mono["ttft_ms"]["p99"],
             "itl_p50": pd["itl_ms"]["p50"] / mono["itl_ms"]["p50"],
-            "tokens_per_s": pd["tokens_per_s"] / mono["tokens_per_s"]})
+            "tokens_per_s": pd["tokens_per_s"] / mono["tokens_per_s"],
+            "ttft_p50_minus_mono_ms": pd["ttft_ms"]["p50"] - mono["ttft_ms"]["p50"]})
+    goals = []
+    pd1 = next((r for r in runs["pd"] if r["concurrency"] == 1), None)
+    mono1 = next((r for r in runs["mono"] if r["concurrency"] == 1), None)
+    if pd1 and mono1:
+        budget = mono1["ttft_ms"]["p50"] + TRANSFER_SLACK_MS + pd1["kv_load_ms_mean"]
+        goals.append({"goal": "P/D TTFT p50 <= monolithic TTFT p50 + 10 ms + KV transfer "
+                              "(decode's mean kv_load time), 1 in flight, loopback",
+                      "value": {"pd_ttft_p50_ms": round(pd1["ttft_ms"]["p50"], 2),
+                                "budget_ms": round(budget, 2)},
+                      "reached": pd1["ttft_ms"]["p50"] <= budget})
+    idle_all = {**idle, **({"mono_progress_delay_0": spin} if spin is not None else {})}
     return {
         "config": {"levels": args.levels, "prompt_tokens": args.prompt_tokens,
                    "output_tokens": args.output_tokens, "requests_per_level": args.requests
                    or "max(12, 3 x concurrency)", "handshake": args.handshake,
                    "decode_tp": args.decode_tp, "prefill_tp": 1, "dtype": args.dtype,
                    "model": "built-in tiny (2 layers, 4 KV heads)",
-                   "proxy_prewarm": "off" if no_prewarm else "not available in this proxy",
-                   "order": "P/D set-up measured, stopped, then the monolithic one",
+                   "proxy_prewarm": {"pd": "off (--no-prewarm)",
+                                     "pd_prewarmed": "on (--kv-token-file), waited for"},
+                   "order": "all set-ups started together; first requests per set-up; "
+                            "pd_prewarmed stopped; pd and mono interleaved per level",
+                   "nixl_progress_delay_us": PROGRESS_DELAY_US,
                    "token": True, "tls": False, "quick": args.quick},
-        "startup_seconds": {k: v["startup_seconds"] for k, v in setups.items()},
-        "idle_cpu_per_s": {k: v["idle_cpu_per_s"] for k, v in setups.items()},
-        "first_requests": {k: v["first"] for k, v in setups.items()},
+        "startup_seconds": startup,
+        "prewarm": {**prewarm, "wait_after_proxies_healthy_s": prewarm_wait},
+        "idle_cpu_per_s": idle_all,
+        "first_requests": first,
         "results": runs,
         "pd_over_mono": overhead,
-        "peak_rss_mib": {k: v["peak_rss_mib"] for k, v in setups.items()},
+        "goals": goals,
+        "peak_rss_mib": peak,
         "load_average": {"before": load_before, "after": load_average()},
     }
 
@@ -252,11 +337,14 @@ def summary(r: dict[str, Any]) -> str:
     f = r["first_requests"]
     lines = [f"first request: P/D TTFT {f['pd']['first']['ttft_ms']:.1f} ms "
              f"(decode handshake {f['pd']['first']['decode_handshake_ms']:.1f} ms), second "
-             f"{f['pd']['second']['ttft_ms']:.1f} ms; monolithic first "
+             f"{f['pd']['second']['ttft_ms']:.1f} ms; P/D prewarmed first "
+             f"{f['pd_prewarmed']['first']['ttft_ms']:.1f} ms, second "
+             f"{f['pd_prewarmed']['second']['ttft_ms']:.1f} ms; monolithic first "
              f"{f['mono']['first']['ttft_ms']:.1f} ms, second {f['mono']['second']['ttft_ms']:.1f}"
              " ms",
+             "idle CPU s/s: " + ", ".join(f"{k} {v:.3f}" for k, v in r["idle_cpu_per_s"].items()),
              "setup conc  TTFT p50/p99 ms    ITL p50/p99 ms   tok/s  errors"]
-    for setup in SETUPS:
+    for setup in SWEPT:
         for x in r["results"][setup]:
             lines.append(f"{setup:<5} {x['concurrency']:>4} {x['ttft_ms']['p50']:>7.1f} "
                          f"{x['ttft_ms']['p99']:>7.1f}  {x['itl_ms']['p50']:>7.2f} "
@@ -264,6 +352,9 @@ def summary(r: dict[str, Any]) -> str:
     for o in r["pd_over_mono"]:
         lines.append(f"P/D / mono at {o['concurrency']}: TTFT p50 x{o['ttft_p50']:.2f}, "
                      f"ITL p50 x{o['itl_p50']:.2f}, tokens/s x{o['tokens_per_s']:.2f}")
+    for g in r["goals"]:
+        lines.append(f"goal {g['goal']}: {g['value']} -> "
+                     f"{'reached' if g['reached'] else 'NOT reached'}")
     return "\n".join(lines)
 
 
@@ -271,7 +362,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     names = {"pd": "P/D (prefill + decode + proxy)", "mono": "monolithic (--role both)"}
-    for setup in SETUPS:
+    for setup in SWEPT:
         rows = r["results"][setup]
         xs = [x["concurrency"] for x in rows]
         for q, style in (("p50", "o-"), ("p99", "s--")):
@@ -286,11 +377,12 @@ def plot(r: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)
-    f = r["first_requests"]["pd"]
+    f = r["first_requests"]
     fig.suptitle(f"kvbridge serve, tiny model, prompt {r['config']['prompt_tokens']} / output "
                  f"{r['config']['output_tokens']} tokens; P/D first request TTFT "
-                 f"{f['first']['ttft_ms']:.0f} ms (handshake), second {f['second']['ttft_ms']:.0f}"
-                 " ms")
+                 f"{f['pd']['first']['ttft_ms']:.0f} ms (handshake), prewarmed "
+                 f"{f['pd_prewarmed']['first']['ttft_ms']:.0f} ms, second "
+                 f"{f['pd']['second']['ttft_ms']:.0f} ms")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

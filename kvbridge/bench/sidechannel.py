@@ -35,8 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=8.0, help="seconds per level")
     p.add_argument("--schemes", default="http,https", help="http and/or https (TLS)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds one request may take")
-    p.add_argument("--progress-thread", action="store_true",
-                   help="server's NIXL agents with their (spinning) progress threads")
 
 
 def _quick(args: argparse.Namespace) -> None:
@@ -150,6 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _quick(args)
     levels = [int(x) for x in str(args.concurrency).split(",")]
     schemes = [s for s in args.schemes.split(",") if s]
+    from kvbridge.transfer import PROGRESS_DELAY_US
+
     load_before = load_average()
     results: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-") as t:
@@ -157,8 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         methods = ",".join("http" if s == "http" else "https" for s in schemes)
         progress("sidechannel: starting the server process (TP 2, 32 layers)")
         with Child("sidechannel", "--tp", "2", "--methods", methods, "--token", TOKEN,
-                   "--certs", str(certs), "--num-blocks", "4",
-                   *(["--progress-thread"] if args.progress_thread else [])) as server:
+                   "--certs", str(certs), "--num-blocks", "4") as server:
             start_stats = server.stats()
             server_idle_cpu = idle_cpu(server.pid, 0.5)
             for scheme in schemes:
@@ -196,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "server": "HttpHandshakeServer (uvicorn, one event-loop thread), TP 2 store, "
                              "32 layers, token", "client": "asyncio raw HTTP/1.1, one keep-alive "
                    "connection per client, one process",
-                   "nixl_progress_thread": args.progress_thread, "quick": args.quick},
+                   "nixl_progress_delay_us": PROGRESS_DELAY_US, "quick": args.quick},
         "envelope_bytes_per_rank": info["envelope_bytes_per_rank"],
         "results": results,
         "server_process": {"start": start_stats, "end": end_stats,

@@ -73,7 +73,7 @@ def _descs(base: int, count: int, size: int) -> np.ndarray:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from kvbridge.transfer import _nixl_api
+    from kvbridge.transfer import PROGRESS_DELAY_US, _new_agent, _nixl_api
 
     if args.quick:
         _quick(args)
@@ -87,15 +87,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     api = _nixl_api()
     rng = random.Random(0)
     results: list[dict[str, Any]] = []
-    # Both agents keep their progress thread, as kvbridge's do: without it on the target
-    # side the READs never complete (UCX needs the target to progress).
-    with Child("transfer", "--pool-bytes", str(pool), "--progress-thread") as peer:
+    # Both agents are made as kvbridge makes them: a progress thread that sleeps
+    # PROGRESS_DELAY_US between polls (without any thread on the target side the READs
+    # never complete: UCX needs the target to progress).
+    with Child("transfer", "--pool-bytes", str(pool)) as peer:
         info = peer.info
         # Touch every page of both local buffers before any timing.
         dst = torch.ones(pool, dtype=torch.uint8)
         src = torch.from_numpy(pattern(pool))
-        agent = api.nixl_agent(f"bench-dst-{info['pid']}", api.nixl_agent_config(
-            backends=["UCX"]))
+        agent = _new_agent(api, f"bench-dst-{info['pid']}")
         peer_idle_cpu = idle_cpu(peer.pid, 0.5)
         reg = agent.register_memory([(dst.data_ptr(), dst.nbytes, 0, "")], mem_type="DRAM")
         remote = agent.add_remote_agent(base64.b64decode(info["agent_metadata"]))
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "memcpy": "contiguous: torch copy_ (torch.set_num_threads(1)); scattered: "
                              "one numpy row copy per block",
                    "backend": "NIXL UCX, DRAM to DRAM between two processes",
-                   "nixl_progress_thread": True,
+                   "nixl_progress_thread": True, "nixl_progress_delay_us": PROGRESS_DELAY_US,
                    "quick": args.quick},
         "results": results,
         "peer_process": {**peer_stats, "idle_cpu_per_s": peer_idle_cpu},
