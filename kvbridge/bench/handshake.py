@@ -24,7 +24,7 @@ from typing import Any
 
 from kvbridge.bench.common import Child, idle_cpu, load_average, progress, pyplot, write_certs
 from kvbridge.bench.peer import BENCH_MODEL, kv_shape_args, make_agents
-from kvbridge.bench.report import percentiles
+from kvbridge.bench.report import goal_lines, percentiles
 
 METHODS = ("zmq", "http", "https")
 TOKEN = "bench-" + "x" * 26
@@ -215,10 +215,7 @@ def summary(r: dict[str, Any]) -> str:
     w = r["warm_ms"][RAW]
     lines.append(f"baseline: same GET on a raw keep-alive socket (no HTTP library) "
                  f"{w['p50']:.3f} {w['p90']:.3f} {w['p99']:.3f}")
-    for g in r["goals"]:
-        lines.append(f"goal {g['goal']}: {g['value']} -> "
-                     f"{'reached' if g['reached'] else 'NOT reached'}")
-    return "\n".join(lines)
+    return "\n".join(lines + goal_lines(r))
 
 
 def plot(r: dict[str, Any], path: Path) -> None:

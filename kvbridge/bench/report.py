@@ -21,6 +21,12 @@ def percentiles(samples: list[float], qs: tuple[float, ...] = (50, 90, 99)) -> d
             for q in qs}
 
 
+def goal_lines(result: dict[str, Any]) -> list[str]:
+    """One summary line per goal of the issue: the figure, reached or not."""
+    return [f"goal {g['goal']}: {g['value']} -> {'reached' if g['reached'] else 'NOT reached'}"
+            for g in result.get("goals", [])]
+
+
 def machine() -> dict[str, Any]:
     mem = 0
     try:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.bench.common import load_average, proc_stats, progress, pyplot
-from kvbridge.bench.report import percentiles
+from kvbridge.bench.report import goal_lines, percentiles
 from kvbridge.launch import KVBridgeProcess, free_port, read_metric
 
 START_TIMEOUT = 180.0
@@ -352,10 +352,7 @@ def summary(r: dict[str, Any]) -> str:
     for o in r["pd_over_mono"]:
         lines.append(f"P/D / mono at {o['concurrency']}: TTFT p50 x{o['ttft_p50']:.2f}, "
                      f"ITL p50 x{o['itl_p50']:.2f}, tokens/s x{o['tokens_per_s']:.2f}")
-    for g in r["goals"]:
-        lines.append(f"goal {g['goal']}: {g['value']} -> "
-                     f"{'reached' if g['reached'] else 'NOT reached'}")
-    return "\n".join(lines)
+    return "\n".join(lines + goal_lines(r))
 
 
 def plot(r: dict[str, Any], path: Path) -> None:

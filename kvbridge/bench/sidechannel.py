@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.bench.common import Child, idle_cpu, load_average, progress, pyplot, write_certs
-from kvbridge.bench.report import percentiles
+from kvbridge.bench.report import goal_lines, percentiles
 
 TOKEN = "bench-" + "y" * 26
 PATH = "/v1/kv/handshake"
@@ -213,10 +213,7 @@ def summary(r: dict[str, Any]) -> str:
                          f"{x['handshakes_per_server_cpu_second']:>16.0f} "
                          f"{x['latency_ms']['p50']:>8.2f} {x['latency_ms']['p99']:>8.2f} "
                          f"{x['errors']:>7} {x['server_peak_rss_mib']:>12.1f}")
-    for g in r["goals"]:
-        lines.append(f"goal {g['goal']}: {g['value']} -> "
-                     f"{'reached' if g['reached'] else 'NOT reached'}")
-    return "\n".join(lines)
+    return "\n".join(lines + goal_lines(r))
 
 
 def plot(r: dict[str, Any], path: Path) -> None:

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvbridge.bench.common import Child, idle_cpu, load_average, progress, pyplot
 from kvbridge.bench.peer import pattern
+from kvbridge.bench.report import goal_lines
 
 KiB = 1024
 
@@ -228,10 +229,7 @@ def summary(r: dict[str, Any]) -> str:
                      f"{scat:>10.2f} {x['memcpy_contiguous']['gb_per_s']:>12.2f} {tcp:>9.2f} "
                      f"{x['nixl_over_memcpy']:>12.2f} "
                      f"{x['nixl_contiguous']['descs_per_s']:>8.0f}")
-    for g in r["goals"]:
-        lines.append(f"goal {g['goal']}: {g['value']} -> "
-                     f"{'reached' if g['reached'] else 'NOT reached'}")
-    return "\n".join(lines)
+    return "\n".join(lines + goal_lines(r))
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
