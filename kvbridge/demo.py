@@ -127,22 +127,26 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 24, decode_tp: 
                 text, ttft = _stream(client, f"http://127.0.0.1:{xp}", prompt, max_tokens)
                 after = {m: read_metric(client, d_url, m) for m in _COLUMNS}
                 delta = {m: after[m] - before[m] for m in _COLUMNS}
+                # The same prompt computed on the decode alone, without transferred KV:
+                # equal answers say the blocks arrived whole and in the right place.
+                local, _ = _stream(client, d_url, prompt, max_tokens)
                 print(f"[{i}] {prompt!r}\n    -> {text!r}", flush=True)
-                rows.append((i, ttft, delta))
+                rows.append((i, ttft, delta, text == local))
             _print_table(rows)
-    return 0
+    return 0 if all(row[3] for row in rows) else 1
 
 
 _COLUMNS = ("kvbridge_handshake_seconds_sum", "kvbridge_kv_bytes_loaded_total",
             "kvbridge_kv_load_seconds_sum", "kvbridge_kv_loads_total")
 
 
-def _print_table(rows: list[tuple[int, float, dict[str, float]]]) -> None:
-    print("\n  #  TTFT (ms)  handshake (ms)  KV moved (KiB)  transfer (ms)")
-    for i, ttft, d in rows:
+def _print_table(rows: list[tuple[int, float, dict[str, float], bool]]) -> None:
+    print("\n  #  TTFT (ms)  handshake (ms)  KV moved (KiB)  transfer (ms)  = local")
+    for i, ttft, d, same in rows:
         hs = d["kvbridge_handshake_seconds_sum"] * 1000
         print(f"{i:>3} {ttft * 1000:>10.1f} {hs:>15.1f} "
               f"{d['kvbridge_kv_bytes_loaded_total'] / 1024:>15.1f} "
-              f"{d['kvbridge_kv_load_seconds_sum'] * 1000:>14.1f}")
+              f"{d['kvbridge_kv_load_seconds_sum'] * 1000:>14.1f}  {'yes' if same else 'NO'}")
     print("\nhandshake: during the request, summed over decode ranks (0 when done ahead);"
-          "\ntransfer: from blocks allocated on decode to KV arrived on every rank.")
+          "\ntransfer: from blocks allocated on decode to KV arrived on every rank;"
+          "\n= local: the answer equals the decode's own, computed without transferred KV.")
