@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvbridge.errors import EpochChanged, PeerMismatch
 from kvbridge.handshake.base import HandshakeClient
@@ -48,7 +48,6 @@ class Peer:
     tp_size: int
     ranks: dict[int, RemoteRank]
     handshake_seconds: float
-    created: float = field(default_factory=time.monotonic)
 
 
 class PeerManager:

@@ -42,7 +42,7 @@ class NixlSchedulerConnector:
         self.engine_id = engine_id
         self.epoch = epoch
         self.tp_size = tp_size
-        self.block_bytes = block_bytes  # one block, all layers, all ranks: for the stats
+        self.block_bytes = block_bytes  # one block, all layers, all ranks: for the byte metrics
         self.side_channel = side_channel
         self.lease_seconds = lease_seconds
         self.metrics = metrics or Metrics()

@@ -32,7 +32,7 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.handshake.base import token_ok
 from kvbridge.metadata import compat_of, decode_rank
 from kvbridge.metrics import CONTENT_TYPE, Metrics
-from kvbridge.model.loader import load_config
+from kvbridge.model.loader import load_config, resolve_dtype
 from kvbridge.server.api import build_app, error_response
 
 log = logging.getLogger(__name__)
@@ -204,8 +204,6 @@ class Instance:
 
 
 def _block_bytes(cfg, opts: InstanceOptions) -> int:
-    from kvbridge.model.loader import resolve_dtype
-
     itemsize = resolve_dtype(opts.dtype).itemsize
     return (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * opts.block_size
             * cfg.head_dim * itemsize)
