@@ -1,10 +1,8 @@
-"""The NIXL data plane: a KV pool in registered memory, block/head-slice descriptors, READs."""
+"""The NIXL data plane: a NIXL agent owning one registered KV cache, block/head-slice
+descriptors, READs and notifications."""
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
 import threading
 import time
 import uuid
@@ -15,82 +13,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbridge._nixl import new_agent, nixl_api
 from kvbridge.errors import InvalidBlockIds, TransferError
+from kvbridge.kv_cache import kv_layout
 from kvbridge.metadata import KVLayout, RankMetadata
 from kvbridge.tp_mapping import HeadSlice
-
-
-def kv_cache_shape(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
-                   head_dim: int) -> tuple[int, ...]:
-    """Head-major ("HND") paged layout: a head slice of one block is contiguous.
-
-    Index order: layer, K/V, block, head, token-in-block, dim.
-    """
-    return (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
-
-
-def allocate_kv_cache(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
-                      head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    # zeros() touches every page now, so the first READ does not pay page faults.
-    return torch.zeros(kv_cache_shape(num_layers, num_blocks, num_kv_heads, block_size, head_dim),
-                       dtype=dtype)
-
-
-def _nixl_api():
-    # The wheel is published as nixl-cu12 (module nixl_cu12); plain `nixl` on other builds.
-    try:
-        from nixl_cu12 import _api
-    except ImportError:  # pragma: no cover - depends on the installed wheel
-        from nixl import _api
-    # NIXL logs every agent creation at INFO to stdout, which is our tools' output channel.
-    nixl_log = logging.getLogger("nixl")
-    for h in nixl_log.handlers:
-        if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout:
-            h.setStream(sys.stderr)
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        nixl_log.setLevel(logging.WARNING)
-    return _api
-
-
-# Microseconds NIXL's progress thread sleeps between polls. nixl's Python wrapper
-# hard-codes 0, so every agent's thread spins a whole core even when idle; 1 ms costs
-# little latency here (READs between processes are driven by the initiator).
-PROGRESS_DELAY_US = int(os.environ.get("KVBRIDGE_NIXL_PROGRESS_DELAY_US", "1000"))
-_agent_lock = threading.Lock()
-
-
-def _new_agent(api: Any, name: str) -> Any:
-    if PROGRESS_DELAY_US <= 0:
-        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
-    base = api.nixlBind.nixlAgentConfig
-
-    class _Config(base):  # the wrapper builds one of these and sets pthrDelay = 0 on it
-        def __setattr__(self, key: str, value: Any) -> None:
-            super().__setattr__(key, PROGRESS_DELAY_US if key == "pthrDelay" else value)
-
-    with _agent_lock:  # the swap is process-wide for the length of one construction
-        api.nixlBind.nixlAgentConfig = _Config
-        try:
-            return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
-        finally:
-            api.nixlBind.nixlAgentConfig = base
-
-
-DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
-               torch.bfloat16: "bfloat16"}
-
-
-def kv_layout(kv_cache: torch.Tensor, total_kv_heads: int) -> KVLayout:
-    """Describe a cache of shape ``kv_cache_shape(...)`` for peers."""
-    num_layers, two, num_blocks, heads, block_size, head_dim = kv_cache.shape
-    if two != 2 or not kv_cache.is_contiguous():
-        raise TransferError(f"KV cache must be contiguous with shape {kv_cache_shape.__doc__}")
-    return KVLayout(
-        num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
-        total_kv_heads=total_kv_heads, kv_heads_per_rank=heads, head_dim=head_dim,
-        dtype=DTYPE_NAMES[kv_cache.dtype], layout="HND",
-        base_addrs=[kv_cache[layer, kv].data_ptr() for layer in range(num_layers) for kv in (0, 1)],
-        block_len=kv_cache[0, 0, 0].nbytes)
 
 
 def slice_descs(kv: KVLayout, head: int, num_heads: int) -> np.ndarray:
@@ -140,9 +67,9 @@ class NixlAgent:
     """A NIXL agent owning one registered KV cache: the wrapper the rest of kvbridge uses."""
 
     def __init__(self, name: str | None = None):
-        api = _nixl_api()
+        api = nixl_api()
         self.name = name or f"kvbridge-{uuid.uuid4().hex[:12]}"
-        self._agent = _new_agent(api, self.name)
+        self._agent = new_agent(api, self.name)
         self._reg = None
         self.kv: KVLayout | None = None
         self._kv_tensor: torch.Tensor | None = None

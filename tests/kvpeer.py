@@ -25,10 +25,11 @@ import torch
 
 from kvbridge.config import SideChannelConfig
 from kvbridge.handshake import MetadataStore, make_client, make_server
+from kvbridge.kv_cache import allocate_kv_cache
 from kvbridge.metadata import compat_of
 from kvbridge.peers import PeerManager
 from kvbridge.tp_mapping import heads_per_rank, rank_heads
-from kvbridge.transfer import NixlAgent, allocate_kv_cache
+from kvbridge.transfer import NixlAgent
 
 LAYERS, HEADS, BLOCK, DIM = 2, 4, 4, 8
 MODEL = "kvpeer-pattern"

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.engine import EngineConfig, LLMEngine, SamplingParams
+from kvbridge.kv_cache import allocate_kv_cache
 from kvbridge.model import (
     AttentionMetadata,
     ByteTokenizer,
@@ -24,7 +25,6 @@ from kvbridge.model import (
     write_tiny_checkpoint,
 )
 from kvbridge.tp_mapping import rank_heads
-from kvbridge.transfer import allocate_kv_cache
 
 PROMPTS = ["Hello, world", "The quick brown fox jumps over the lazy dog", "x",
            "ünïcödé → 漢字 and more text to make a prompt longer than one block of KV"]

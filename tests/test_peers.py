@@ -16,10 +16,11 @@ from kvbridge.errors import AuthError, EpochChanged, HandshakeError, TransferErr
 from kvbridge.handshake.base import HandshakeClient, HandshakeServer
 from kvbridge.handshake.http import HttpHandshakeClient, HttpHandshakeServer
 from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer
+from kvbridge.kv_cache import allocate_kv_cache
 from kvbridge.metadata import KVLayout, compat_of
 from kvbridge.peers import Peer, PeerManager
 from kvbridge.tp_mapping import heads_per_rank, plan_reads, rank_heads
-from kvbridge.transfer import NixlAgent, allocate_kv_cache
+from kvbridge.transfer import NixlAgent
 from tests.helpers import CountingStore, RawServer
 
 TOKEN = "peers-token"

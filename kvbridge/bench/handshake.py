@@ -100,9 +100,9 @@ def _stats(samples: list[float]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvbridge._nixl import PROGRESS_DELAY_US
     from kvbridge.metadata import compat_of
     from kvbridge.tp_mapping import plan_reads
-    from kvbridge.transfer import PROGRESS_DELAY_US
 
     if args.quick:
         _quick(args)

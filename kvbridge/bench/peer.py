@@ -38,8 +38,9 @@ def make_agents(args: argparse.Namespace, tp: int, count: int | None = None) -> 
     """``count`` (default ``tp``) agents, each with a KV cache shaped like one rank of ``tp``."""
     import torch
 
+    from kvbridge.kv_cache import allocate_kv_cache
     from kvbridge.tp_mapping import heads_per_rank
-    from kvbridge.transfer import NixlAgent, allocate_kv_cache
+    from kvbridge.transfer import NixlAgent
 
     agents = []
     for _ in range(tp if count is None else count):
@@ -97,13 +98,13 @@ def pattern(nbytes: int):
 def transfer(args: argparse.Namespace) -> None:
     import torch
 
-    from kvbridge.transfer import _new_agent, _nixl_api
+    from kvbridge._nixl import new_agent, nixl_api
 
-    api = _nixl_api()
+    api = nixl_api()
     # Touch every page now (and give it a pattern) so no READ pays first-touch faults.
     buf = torch.from_numpy(pattern(args.pool_bytes))
     name = f"bench-src-{uuid.uuid4().hex[:8]}"
-    agent = _new_agent(api, name)  # as kvbridge's: progress thread with its delay
+    agent = new_agent(api, name)  # as kvbridge's: progress thread with its delay
     reg = agent.register_memory([(buf.data_ptr(), buf.nbytes, 0, "")], mem_type="DRAM")
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

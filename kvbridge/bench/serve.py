@@ -197,7 +197,7 @@ def _transfer_ms(client, decode_url: str) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
-    from kvbridge.transfer import PROGRESS_DELAY_US
+    from kvbridge._nixl import PROGRESS_DELAY_US
 
     if args.quick:
         _quick(args)

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _quick(args)
     levels = [int(x) for x in str(args.concurrency).split(",")]
     schemes = [s for s in args.schemes.split(",") if s]
-    from kvbridge.transfer import PROGRESS_DELAY_US
+    from kvbridge._nixl import PROGRESS_DELAY_US
 
     load_before = load_average()
     results: dict[str, list[dict[str, Any]]] = {}

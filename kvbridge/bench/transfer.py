@@ -74,7 +74,7 @@ def _descs(base: int, count: int, size: int) -> np.ndarray:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from kvbridge.transfer import PROGRESS_DELAY_US, _new_agent, _nixl_api
+    from kvbridge._nixl import PROGRESS_DELAY_US, new_agent, nixl_api
 
     if args.quick:
         _quick(args)
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     load_before = load_average()
     progress(f"transfer: two buffers of {pool / 2**20:.0f} MiB here, one in the peer")
-    api = _nixl_api()
+    api = nixl_api()
     rng = random.Random(0)
     results: list[dict[str, Any]] = []
     # Both agents are made as kvbridge makes them: a progress thread that sleeps
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Touch every page of both local buffers before any timing.
         dst = torch.ones(pool, dtype=torch.uint8)
         src = torch.from_numpy(pattern(pool))
-        agent = _new_agent(api, f"bench-dst-{info['pid']}")
+        agent = new_agent(api, f"bench-dst-{info['pid']}")
         peer_idle_cpu = idle_cpu(peer.pid, 0.5)
         reg = agent.register_memory([(dst.data_ptr(), dst.nbytes, 0, "")], mem_type="DRAM")
         remote = agent.add_remote_agent(base64.b64decode(info["agent_metadata"]))

@@ -68,7 +68,7 @@ class SchedulerConnector(Protocol):
 
 class WorkerConnector(Protocol):
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """The worker's whole paged KV cache, see ``kvbridge.transfer.kv_cache_shape``."""
+        """The worker's whole paged KV cache, see ``kvbridge.kv_cache.kv_cache_shape``."""
 
     def handshake_metadata(self) -> bytes:
         """This worker's encoded handshake metadata, gathered by the head process."""

@@ -16,9 +16,9 @@ import torch
 from kvbridge.connector.base import WorkerConnector
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.sampling import SampleSpec, sample
+from kvbridge.kv_cache import allocate_kv_cache
 from kvbridge.model.attention import AttentionMetadata, SeqChunk
 from kvbridge.model.loader import load_model
-from kvbridge.transfer import allocate_kv_cache
 
 # Called in each worker process with (tp_rank, tp_size); must be picklable.
 WorkerConnectorFactory = Callable[[int, int], WorkerConnector]

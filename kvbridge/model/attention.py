@@ -1,6 +1,6 @@
 """Attention over the paged KV cache, in plain PyTorch.
 
-Layout (the contract with ``kvbridge.transfer``): one layer's cache is
+Layout (the contract with ``kvbridge.kv_cache``): one layer's cache is
 ``[2 (K,V), num_blocks, num_kv_heads, block_size, head_dim]``; token ``t`` of a
 sequence lives in block ``block_table[t // block_size]``, slot ``t % block_size``.
 

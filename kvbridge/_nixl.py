@@ -1,0 +1,49 @@
+"""The nixl import shim and the progress-thread setting: the only module that imports nixl."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+
+def nixl_api():
+    # The wheel is published as nixl-cu12 (module nixl_cu12); plain `nixl` on other builds.
+    try:
+        from nixl_cu12 import _api
+    except ImportError:  # pragma: no cover - depends on the installed wheel
+        from nixl import _api
+    # NIXL logs every agent creation at INFO to stdout, which is our tools' output channel.
+    nixl_log = logging.getLogger("nixl")
+    for h in nixl_log.handlers:
+        if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout:
+            h.setStream(sys.stderr)
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        nixl_log.setLevel(logging.WARNING)
+    return _api
+
+
+# Microseconds NIXL's progress thread sleeps between polls. nixl's Python wrapper
+# hard-codes 0, so every agent's thread spins a whole core even when idle; 1 ms costs
+# little latency here (READs between processes are driven by the initiator).
+PROGRESS_DELAY_US = int(os.environ.get("KVBRIDGE_NIXL_PROGRESS_DELAY_US", "1000"))
+_agent_lock = threading.Lock()
+
+
+def new_agent(api: Any, name: str) -> Any:
+    if PROGRESS_DELAY_US <= 0:
+        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    base = api.nixlBind.nixlAgentConfig
+
+    class _Config(base):  # the wrapper builds one of these and sets pthrDelay = 0 on it
+        def __setattr__(self, key: str, value: Any) -> None:
+            super().__setattr__(key, PROGRESS_DELAY_US if key == "pthrDelay" else value)
+
+    with _agent_lock:  # the swap is process-wide for the length of one construction
+        api.nixlBind.nixlAgentConfig = _Config
+        try:
+            return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        finally:
+            api.nixlBind.nixlAgentConfig = base
