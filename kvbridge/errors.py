@@ -1,6 +1,12 @@
-"""Every exception kvbridge raises, in one place."""
+"""Every exception kvbridge raises, in one place; the failure record a KV load ends with;
+and the one table that turns either into an HTTP answer (engine API, proxy, side channel
+all answer errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``)."""
 
 from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
 
 
 class KVBridgeError(Exception):
@@ -61,3 +67,94 @@ class InvalidBlockIds(TransferError):
 
 class TPMappingError(KVBridgeError, ValueError):
     """The two TP sizes and the head count cannot be mapped onto each other."""
+
+
+class InvalidKVTransferParams(KVBridgeError, ValueError):
+    """``kv_transfer_params`` that can never be served: wrong types, missing fields, blocks
+    that do not fit the prompt, a peer other than the one named. The request's own fault:
+    answered with a 400 naming ``param`` (always ``kv_transfer_params``), never recomputed."""
+
+    param = "kv_transfer_params"
+
+
+
+
+class RequestError(KVBridgeError):
+    """A client request refused or failed, with the HTTP answer it gets."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = (
+            status, message, param, type_, code)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class FailureKind(enum.StrEnum):
+    """Why a KV load failed: the request's own fault, or the infrastructure's."""
+
+    INVALID_PARAMS = "invalid_params"  # never recomputed; a 400
+    HANDSHAKE = "handshake"            # peer down, timeout, auth, TLS, incompatible, restarted
+    TRANSFER = "transfer"              # a READ could not start, failed or timed out
+    ABORTED = "aborted"                # the request went away while loading
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """How one KV load failed (what workers report and the scheduler acts on)."""
+
+    kind: FailureKind
+    message: str
+
+    @property
+    def request_fault(self) -> bool:
+        return self.kind is FailureKind.INVALID_PARAMS
+
+    def __str__(self) -> str:
+        if self.request_fault:
+            return f"invalid kv_transfer_params: {self.message}"
+        return f"KV load failed: {self.message}"
+
+
+@dataclass(frozen=True)
+class ErrorStatus:
+    status: int
+    type: str
+    code: str | None = None
+
+
+# First match in order wins: subclasses before their bases.
+_STATUS: list[tuple[type[BaseException], ErrorStatus]] = [
+    (InvalidKVTransferParams, ErrorStatus(400, "invalid_request_error")),
+    (ConfigError, ErrorStatus(400, "invalid_request_error")),
+    (WireFormatError, ErrorStatus(400, "invalid_request_error")),
+    (AuthError, ErrorStatus(401, "authentication_error")),
+    (HandshakeTimeout, ErrorStatus(504, "timeout")),
+    (HandshakeError, ErrorStatus(502, "upstream_error")),
+    (CompatibilityError, ErrorStatus(502, "upstream_error")),
+    (TransferError, ErrorStatus(502, "server_error", "request_failed")),
+    (KVBridgeError, ErrorStatus(500, "server_error")),
+]
+
+
+def status_of(exc: BaseException) -> ErrorStatus:
+    """The HTTP answer for an exception raised while serving a request."""
+    for cls, status in _STATUS:
+        if isinstance(exc, cls):
+            return status
+    return ErrorStatus(500, "server_error")
+
+
+def failure_status(failure: LoadFailure) -> ErrorStatus:
+    """The HTTP answer for a request whose KV load failed under the ``fail`` policy."""
+    if failure.request_fault:
+        return ErrorStatus(400, "invalid_request_error")
+    return ErrorStatus(502, "server_error", "request_failed")
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    """OpenAI's error shape, used by every server kvbridge runs."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -103,8 +103,11 @@ class PeerManager:
                 self._disconnect(fut.result())
 
     def close(self) -> None:
-        self._handshakes.shutdown(wait=False, cancel_futures=True)
-        self._fetches.shutdown(wait=False, cancel_futures=True)
+        """Cancel queued handshakes, wait for running ones (each bounded by the handshake
+        timeout), then disconnect every peer: a handshake finishing after close would
+        otherwise add a remote agent nobody removes."""
+        self._handshakes.shutdown(wait=True, cancel_futures=True)
+        self._fetches.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             futs, self._peers = list(self._peers.values()), {}
         for fut in futs:

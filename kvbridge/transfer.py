@@ -3,6 +3,7 @@ descriptors, READs and notifications."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -75,6 +76,9 @@ class NixlAgent:
         self._kv_tensor: torch.Tensor | None = None
         # Handshake threads connect peers while the worker thread reads and polls.
         self._lock = threading.RLock()
+        self._peers: dict[int, RemoteRank] = {}      # id() -> connected remote ranks
+        self._reads: dict[int, PendingRead] = {}     # id() -> READs not yet released
+        self._closed = False
 
     def register_kv_cache(self, kv_cache: torch.Tensor, total_kv_heads: int) -> KVLayout:
         """Register the whole cache as one region (one registration key to ship)."""
@@ -107,6 +111,7 @@ class NixlAgent:
             if isinstance(agent_name, bytes):
                 agent_name = agent_name.decode()
             peer = RemoteRank(meta, agent_name, slices)
+            self._peers[id(peer)] = peer
             try:
                 peer.remote_dlist = self._agent.prep_xfer_dlist(agent_name, remote, "DRAM")
                 peer.local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
@@ -117,12 +122,21 @@ class NixlAgent:
         return peer
 
     def disconnect(self, peer: RemoteRank) -> None:
+        """Release the peer's descriptor lists and remove its agent. READs on it must be
+        over first (see ``reads_on``): NIXL transfers use the lists they were built from."""
         with self._lock:
+            if self._peers.pop(id(peer), None) is None:
+                return  # already disconnected
             for dl in (peer.remote_dlist, peer.local_dlist):
                 if dl is not None:
                     self._agent.release_dlist_handle(dl)
             peer.remote_dlist = peer.local_dlist = None
             self._agent.remove_remote_agent(peer.agent_name)
+
+    def reads_on(self, agent_name: str) -> int:
+        """READs towards ``agent_name`` whose handles are not yet released."""
+        with self._lock:
+            return sum(r.agent_name == agent_name for r in self._reads.values())
 
     def read(self, peer: RemoteRank, local_blocks: Sequence[int], remote_blocks: Sequence[int],
              notif: bytes) -> PendingRead:
@@ -138,7 +152,7 @@ class NixlAgent:
                                                    regions, i)
                                      for i in range(len(peer.slices))])
         with self._lock:
-            if peer.remote_dlist is None:
+            if self._closed or peer.remote_dlist is None:
                 raise TransferError(f"peer {peer.agent_name} was disconnected")
             try:  # e.g. the remote agent was removed or re-added since the lists were prepared
                 handle = self._agent.make_prepped_xfer("READ", peer.local_dlist, local_idx,
@@ -153,21 +167,73 @@ class NixlAgent:
             else:
                 why = ""
             if state == "ERR":
-                self._agent.release_xfer_handle(handle)
-        if state == "ERR":
-            raise TransferError(f"READ from {peer.agent_name} could not start{why}")
-        return PendingRead(handle, peer.agent_name)
+                with contextlib.suppress(Exception):
+                    self._agent.release_xfer_handle(handle)
+                raise TransferError(f"READ from {peer.agent_name} could not start{why}")
+            pending = PendingRead(handle, peer.agent_name)
+            self._reads[id(pending)] = pending
+        return pending
 
     def poll(self, pending: PendingRead) -> str:
         """"DONE", "PROC" or "ERR"; the handle is released once the read ended."""
         with self._lock:
+            if id(pending) not in self._reads:
+                return "ERR"  # aborted or released before
             try:
                 state = self._agent.check_xfer_state(pending.handle)
             except Exception:  # NIXL raises on some failures instead of reporting "ERR"
                 state = "ERR"
             if state != "PROC":
-                self._agent.release_xfer_handle(pending.handle)
+                self._release(pending)
         return state
+
+    def abort(self, pending: PendingRead) -> bool:
+        """Cancel a READ in flight. True when it is over (cancelled, or it had ended) and
+        its handle released; False when NIXL could not cancel it yet: poll it until it
+        ends, since it may still write into the local blocks."""
+        with self._lock:
+            if id(pending) not in self._reads:
+                return True
+            try:
+                self._agent.release_xfer_handle(pending.handle)
+            except Exception:  # "cannot be cancelled now": the handle stays valid
+                return False
+            del self._reads[id(pending)]
+        return True
+
+    def _release(self, pending: PendingRead) -> None:
+        try:
+            self._agent.release_xfer_handle(pending.handle)
+        finally:
+            self._reads.pop(id(pending), None)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Abort READs in flight (waiting up to ``timeout`` for those NIXL cannot cancel),
+        disconnect every peer and deregister the KV cache. Idempotent."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        while True:
+            with self._lock:
+                for pending in list(self._reads.values()):
+                    if not self.abort(pending):
+                        self.poll(pending)  # releases it once it has ended
+                if not self._reads or time.monotonic() > deadline:
+                    break
+            time.sleep(0.001)
+        with self._lock:
+            for peer in list(self._peers.values()):
+                try:
+                    self.disconnect(peer)
+                except Exception:  # a dead peer's agent may be gone already
+                    self._peers.pop(id(peer), None)
+            if self._reg is not None and not self._reads:
+                # Memory a READ may still target stays registered (and the tensor alive).
+                self._agent.deregister_memory(self._reg)
+                self._reg = None
+                self._kv_tensor = None
 
     def wait(self, pending: PendingRead, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -10,24 +10,31 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from kvbridge.connector.base import ConnectorUpdate
 from kvbridge.engine import AsyncEngine, build_engine
+from kvbridge.errors import FailureKind, LoadFailure
 from kvbridge.server.api import BackgroundServer, build_app
 
 MODEL = "tiny-test"
 
 
+REMOTE = {"do_remote_prefill": True, "remote_block_ids": [0], "remote_engine_id": "p",
+          "remote_host": "127.0.0.1", "remote_port": 1}
+
+
 class EchoOrFailConnector:
-    """Requests with ``{"remote": ...}`` wait for remote KV, whose load always fails;
-    any request with ``kv_transfer_params`` gets them back, wrapped, when it finishes."""
+    """Requests that ask for a remote prefill wait for remote KV, whose load always fails;
+    any request with ``kv_transfer_params`` gets them back, marked, when it finishes."""
 
     def __init__(self) -> None:
         self.allocated: list[str] = []
 
     def num_remote_tokens(self, request_id, prompt_ids, kv_transfer_params) -> int:
-        return len(prompt_ids) if kv_transfer_params and "remote" in kv_transfer_params else 0
+        return len(prompt_ids) if kv_transfer_params and kv_transfer_params.loads_remote_kv \
+            else 0
 
     def on_blocks_allocated(self, request_id, block_ids) -> None:
         self.allocated.append(request_id)
@@ -39,12 +46,15 @@ class EchoOrFailConnector:
         return False
 
     def update(self, worker_outputs) -> ConnectorUpdate:
-        loaded = {r: "remote prefill instance unreachable" for r in self.allocated}
+        loaded = {r: LoadFailure(FailureKind.HANDSHAKE, "remote prefill instance unreachable")
+                  for r in self.allocated}
         self.allocated = []
         return ConnectorUpdate(loaded=loaded)
 
-    def on_finished(self, request_id, block_ids, kv_transfer_params):
-        return False, None if kv_transfer_params is None else {"echo": kv_transfer_params}
+    def on_finished(self, request_id, block_ids, kv_transfer_params, num_computed_tokens):
+        if kv_transfer_params is None:
+            return False, None
+        return False, msgspec.structs.replace(kv_transfer_params, remote_request_id="echo")
 
 
 @pytest.fixture(scope="module")
@@ -150,16 +160,17 @@ def test_chat_completion_streamed_and_not(client, server):
 
 def test_kv_transfer_params_round_trip(client):
     params = {"do_remote_decode": True, "remote_block_ids": None}
+    echo = {"do_remote_decode": True, "do_remote_prefill": False, "remote_request_id": "echo"}
     body = client.post("/v1/completions", json={
         "prompt": "abc", "max_tokens": 1, "kv_transfer_params": params}).json()
-    assert body["kv_transfer_params"] == {"echo": params}
+    assert body["kv_transfer_params"] == echo
     chat = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
         "kv_transfer_params": params}).json()
-    assert chat["kv_transfer_params"] == {"echo": params}
+    assert chat["kv_transfer_params"] == echo
     events = sse_events(client.post("/v1/completions", json={
         "prompt": "abc", "max_tokens": 3, "stream": True, "kv_transfer_params": params}))
-    assert events[-1]["kv_transfer_params"] == {"echo": params}
+    assert events[-1]["kv_transfer_params"] == echo
 
 
 def test_concurrent_requests_match_sequential(server):
@@ -206,6 +217,13 @@ def test_malformed_json(client):
     ({"prompt": [1, 2, 100000]}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": "x", "kv_transfer_params": [1]}, "kv_transfer_params"),
+    ({"prompt": "x", "kv_transfer_params": {"do_remote_prefill": "false"}}, "kv_transfer_params"),
+    ({"prompt": "x", "kv_transfer_params": {**REMOTE, "remote_port": "25600"}},
+     "kv_transfer_params"),
+    ({"prompt": "x", "kv_transfer_params": {**REMOTE, "remote_block_ids": [0, 1]}},
+     "kv_transfer_params"),  # two blocks for a one-block prompt
+    ({"prompt": "x", "kv_transfer_params": {**REMOTE, "remote_host": None}},
+     "kv_transfer_params"),
 ])
 def test_bad_completion_requests(client, body, param):
     assert_error(client.post("/v1/completions", json=body), 400, param)
@@ -236,12 +254,12 @@ def test_unknown_model(client):
 
 
 def test_failed_kv_load_returns_502_not_a_hang(client):
-    req = {"prompt": "Hello there", "max_tokens": 4, "kv_transfer_params": {"remote": 1}}
+    req = {"prompt": "Hello there", "max_tokens": 4, "kv_transfer_params": REMOTE}
     err = assert_error(client.post("/v1/completions", json=req), 502)
     assert "remote prefill instance unreachable" in err["message"]
     err = assert_error(client.post("/v1/completions", json={**req, "stream": True}), 502)
     assert "unreachable" in err["message"]
-    chat = {"messages": [{"role": "user", "content": "x"}], "kv_transfer_params": {"remote": 1}}
+    chat = {"messages": [{"role": "user", "content": "x"}], "kv_transfer_params": REMOTE}
     assert_error(client.post("/v1/chat/completions", json=chat), 502)
     # The engine is fine afterwards, with every block back.
     assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code \

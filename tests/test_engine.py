@@ -23,6 +23,8 @@ from kvbridge.engine import (
     WorkerError,
     build_engine,
 )
+from kvbridge.errors import FailureKind, LoadFailure
+from kvbridge.params import KVTransferParams
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,10 +37,20 @@ PROMPTS = [
 
 # -- test connectors: real, small implementations of kvbridge.connector.base --------------
 
+HOLD = KVTransferParams(do_remote_decode=True)
+
+
+def copy_from(src_blocks: list[int], num_tokens: int, fail: bool = False) -> KVTransferParams:
+    """Params of a request whose prompt KV is copied from held ``src_blocks``."""
+    return KVTransferParams(do_remote_prefill=True, remote_block_ids=src_blocks,
+                            remote_num_tokens=num_tokens, remote_host="local", remote_port=1,
+                            remote_engine_id="fail" if fail else "local")
+
+
 class LocalCopyConnector:
     """Scheduler side of a "transfer" inside one engine: the KV of a request whose blocks
-    were held (``{"hold": True}``) is copied into a later request's blocks
-    (``{"src_blocks": [...], "num_tokens": n}``); ``"fail"`` makes the load fail."""
+    were held (``HOLD``) is copied into a later request's blocks (``copy_from``); a
+    ``fail`` one makes the load fail."""
 
     def __init__(self) -> None:
         self.to_start: list[tuple[str, list[int], list[int], bool]] = []
@@ -52,15 +64,17 @@ class LocalCopyConnector:
         self.num_steps = 0
 
     def num_remote_tokens(self, request_id, prompt_ids, kv_transfer_params) -> int:
-        if not kv_transfer_params or "src_blocks" not in kv_transfer_params:
+        if not kv_transfer_params or not kv_transfer_params.loads_remote_kv:
             return 0
         self.params[request_id] = kv_transfer_params
-        return kv_transfer_params["num_tokens"]
+        return kv_transfer_params.remote_num_tokens
 
     def on_blocks_allocated(self, request_id, block_ids) -> None:
         p = self.params[request_id]
         self.events.append(("allocated", request_id))
-        self.to_start.append((request_id, p["src_blocks"], block_ids, p.get("fail", False)))
+        src = p.remote_block_ids
+        self.to_start.append((request_id, src, block_ids[:len(src)],
+                              p.remote_engine_id == "fail"))
 
     def build_worker_meta(self) -> list[tuple[str, list[int], list[int], bool]]:
         meta, self.to_start = self.to_start, []
@@ -83,12 +97,12 @@ class LocalCopyConnector:
         self.held -= released
         return ConnectorUpdate(loaded=loaded, released=released)
 
-    def on_finished(self, request_id, block_ids, kv_transfer_params):
+    def on_finished(self, request_id, block_ids, kv_transfer_params, num_computed_tokens):
         self.finished.append(request_id)
         self.events.append(("finished", request_id))
-        if kv_transfer_params and kv_transfer_params.get("hold"):
+        if kv_transfer_params and kv_transfer_params.do_remote_decode:
             self.held.add(request_id)
-            return True, {"src_blocks": block_ids}
+            return True, copy_from(block_ids, num_computed_tokens)
         return False, None
 
     def release(self, request_id: str) -> None:
@@ -112,7 +126,8 @@ class LocalCopyWorkerConnector:
         done = []
         for request_id, src, dst, fail in meta or []:
             if fail:
-                done.append((request_id, f"rank {self.tp_rank}: injected failure"))
+                done.append((request_id, LoadFailure(FailureKind.TRANSFER,
+                                                     f"rank {self.tp_rank}: injected failure")))
                 continue
             self.kv[:, :, torch.tensor(dst)] = self.kv[:, :, torch.tensor(src)]
             done.append((request_id, None))
@@ -250,10 +265,14 @@ def copy_engine(request) -> Iterator[tuple[LLMEngine, LocalCopyConnector]]:
         yield e, conn
 
 
+def _failing(ids: list[int]) -> KVTransferParams:
+    return copy_from(list(range(-(-len(ids) // 16))), len(ids), fail=True)
+
+
 def _held_prefill(engine: LLMEngine, prompt: str) -> tuple[str, RequestOutput]:
     """A one-token "prefill" whose blocks the connector holds."""
     rid = engine.add_request(engine.tokenizer.encode(prompt), SamplingParams(max_tokens=1),
-                             kv_transfer_params={"hold": True})
+                             kv_transfer_params=HOLD)
     (out,) = run_all(engine)[rid]
     return rid, out
 
@@ -265,12 +284,11 @@ def test_remote_kv_is_used_and_held_blocks_are_released(copy_engine, reference):
     ids = engine.tokenizer.encode(prompt)
     src_id, prefill = _held_prefill(engine, prompt)
     assert prefill.finished and prefill.new_token_ids == reference[prompt][:1]
-    src_blocks = prefill.kv_transfer_params["src_blocks"]
+    src_blocks = prefill.kv_transfer_params.remote_block_ids
     assert len(src_blocks) == -(-len(ids) // 16)
     assert engine.num_free_blocks == start - len(src_blocks)  # held, not freed
 
-    rid = engine.add_request(ids, GREEDY, kv_transfer_params={
-        "src_blocks": src_blocks, "num_tokens": len(ids)})
+    rid = engine.add_request(ids, GREEDY, kv_transfer_params=copy_from(src_blocks, len(ids)))
     outs = run_all(engine)[rid]
     assert tokens(outs) == reference[prompt]
     # Only the last prompt token was recomputed: the rest came from the copied blocks.
@@ -293,8 +311,8 @@ def test_remote_kv_really_replaces_the_prompt_computation(copy_engine, reference
     a, b = "0123456789", "zyxwvutsrq"  # same length, different text
     src_id, prefill = _held_prefill(engine, b)
     ids = engine.tokenizer.encode(a)
-    rid = engine.add_request(ids, GREEDY, kv_transfer_params={
-        "src_blocks": prefill.kv_transfer_params["src_blocks"], "num_tokens": len(ids)})
+    rid = engine.add_request(ids, GREEDY, kv_transfer_params=copy_from(
+        prefill.kv_transfer_params.remote_block_ids, len(ids)))
     got = tokens(run_all(engine)[rid])
     assert got != reference[a]
     conn.release(src_id)
@@ -307,8 +325,7 @@ def test_failed_load_is_recomputed_by_default(copy_engine, reference):
     start = engine.num_free_blocks
     prompt = PROMPTS[3]
     ids = engine.tokenizer.encode(prompt)
-    rid = engine.add_request(ids, GREEDY, kv_transfer_params={
-        "src_blocks": [0] * 4, "num_tokens": len(ids), "fail": True})
+    rid = engine.add_request(ids, GREEDY, kv_transfer_params=_failing(ids))
     outs = run_all(engine)[rid]
     assert tokens(outs) == reference[prompt]
     assert outs[-1].num_cached_tokens == 0 and outs[-1].error is None
@@ -320,13 +337,12 @@ def test_failed_load_fails_the_request_under_the_fail_policy():
     with build_engine(num_blocks=32, connector=conn, kv_load_failure_policy="fail",
                       worker_connector_factory=LocalCopyWorkerConnector) as engine:
         ids = engine.tokenizer.encode(PROMPTS[3])
-        rid = engine.add_request(ids, GREEDY, kv_transfer_params={
-            "src_blocks": [0] * 4, "num_tokens": len(ids), "fail": True})
+        rid = engine.add_request(ids, GREEDY, kv_transfer_params=_failing(ids))
         ok = engine.add_request(ids, GREEDY)
         outs = run_all(engine)
         (failed,) = outs[rid]
         assert failed.finished and failed.finish_reason == "error"
-        assert "injected failure" in failed.error and failed.new_token_ids == []
+        assert "injected failure" in str(failed.error) and failed.new_token_ids == []
         assert outs[ok][-1].finish_reason == "length"
         assert conn.finished.count(rid) == 1
         assert engine.num_free_blocks == 32
@@ -340,8 +356,7 @@ def test_requests_wait_for_blocks_before_remote_load(copy_engine):
     big = engine.add_request([65] * (start * 16 - 40), SamplingParams(max_tokens=2))
     engine.step()  # the big prefill now holds nearly every block until its next token
     ids = engine.tokenizer.encode(PROMPTS[7])
-    rid = engine.add_request(ids, GREEDY, kv_transfer_params={
-        "src_blocks": [0] * 4, "num_tokens": len(ids), "fail": True})
+    rid = engine.add_request(ids, GREEDY, kv_transfer_params=_failing(ids))
     outs = run_all(engine)
     assert outs[big][-1].finished and outs[rid][-1].finish_reason == "length"
     events = conn.events

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvbridge.errors import LoadFailure
 from kvbridge.tp_mapping import consumers
 
 
@@ -21,14 +22,15 @@ class LoadAggregator:
     def __init__(self, tp_size: int):
         self.tp_size = tp_size
         self._remaining: dict[str, int] = {}
-        self._errors: dict[str, str] = {}
+        self._errors: dict[str, LoadFailure] = {}
 
     def expect(self, request_id: str) -> None:
         self._remaining[request_id] = self.tp_size
 
-    def fold(self, ok: Iterable[str], failed: dict[str, str]) -> dict[str, str | None]:
+    def fold(self, ok: Iterable[str], failed: dict[str, LoadFailure]
+             ) -> dict[str, LoadFailure | None]:
         """One worker's report; returns requests now complete (None = success)."""
-        done: dict[str, str | None] = {}
+        done: dict[str, LoadFailure | None] = {}
         for rid, err in [*((r, None) for r in ok), *failed.items()]:
             if rid not in self._remaining:
                 continue  # aborted meanwhile, or a duplicate report

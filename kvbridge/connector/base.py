@@ -20,29 +20,29 @@ from typing import Any, Protocol
 
 import torch
 
-# A ``loaded`` error starting with this is the request's own fault (its params name
-# another engine, blocks that do not exist, ...): never recomputed, answered with a 4xx.
-INVALID_PARAMS = "invalid kv_transfer_params"
+from kvbridge.errors import LoadFailure
+from kvbridge.params import KVTransferParams
 
 
 @dataclass
 class ConnectorUpdate:
     """What the scheduler learns from one step of all workers.
 
-    ``loaded``: request id -> None when its remote KV arrived whole, or an error
-    message when loading failed (the scheduler then recomputes or fails it).
+    ``loaded``: request id -> None when its remote KV arrived whole, or the
+    ``LoadFailure`` (the scheduler then recomputes or fails it; a request fault is a 400).
     ``released``: request ids whose held blocks may now be freed (every consumer
     has read them, or their lease expired).
     """
 
-    loaded: dict[str, str | None] = field(default_factory=dict)
+    loaded: dict[str, LoadFailure | None] = field(default_factory=dict)
     released: set[str] = field(default_factory=set)
 
 
 class SchedulerConnector(Protocol):
     def num_remote_tokens(self, request_id: str, prompt_ids: list[int],
-                          kv_transfer_params: dict[str, Any] | None) -> int:
-        """Prompt tokens whose KV will arrive from a remote instance (0: compute locally)."""
+                          kv_transfer_params: KVTransferParams | None) -> int:
+        """Prompt tokens whose KV will arrive from a remote instance (0: compute locally).
+        Raises ``InvalidKVTransferParams`` (a 400) for params this prompt cannot use."""
 
     def on_blocks_allocated(self, request_id: str, block_ids: list[int]) -> None:
         """Blocks now exist for a request that waits for remote KV."""
@@ -58,8 +58,10 @@ class SchedulerConnector(Protocol):
         handshake started ahead of time): the engine keeps stepping while True."""
 
     def on_finished(self, request_id: str, block_ids: list[int],
-                    kv_transfer_params: dict[str, Any] | None) -> tuple[bool, dict[str, Any] | None]:
-        """A request ended. Returns (hold_blocks, kv_transfer_params for the response).
+                    kv_transfer_params: KVTransferParams | None, num_computed_tokens: int
+                    ) -> tuple[bool, KVTransferParams | None]:
+        """A request ended with KV computed for ``num_computed_tokens`` tokens. Returns
+        (hold_blocks, kv_transfer_params for the response).
 
         When ``hold_blocks`` is true the engine keeps the blocks allocated until
         a later ``update`` lists the request in ``released``.
@@ -95,7 +97,7 @@ class NullConnector:
     def has_pending(self) -> bool:
         return False
 
-    def on_finished(self, request_id, block_ids, kv_transfer_params):
+    def on_finished(self, request_id, block_ids, kv_transfer_params, num_computed_tokens):
         return False, None
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvbridge.errors import LoadFailure
+
 
 @dataclass(frozen=True)
 class LoadSpec:
@@ -19,6 +21,9 @@ class LoadSpec:
     remote_tp_size: int
     remote_epoch: str | None
     method: str
+    # Seconds from now on within which every READ must be over: the prefill's lease, less
+    # a margin, less the time the request already waited. Past it the load is aborted.
+    fence_seconds: float = float("inf")
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class WorkerOutput:
 
     tp_rank: int
     loaded: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, LoadFailure] = field(default_factory=dict)
     # (remote request id, decode rank, decode tp size) of READs that finished on our blocks
     notified: list[tuple[str, int, int]] = field(default_factory=list)
     # (engine id, method, seconds, outcome) of handshakes that finished on this worker

@@ -20,28 +20,42 @@ from typing import Any
 
 from kvbridge.config import METHODS, SideChannelConfig
 from kvbridge.connector.aggregator import LoadAggregator, SendAggregator
-from kvbridge.connector.base import INVALID_PARAMS, ConnectorUpdate
+from kvbridge.connector.base import ConnectorUpdate
 from kvbridge.connector.messages import LoadSpec, PeerSpec, WorkerMeta, WorkerOutput
-from kvbridge.errors import ConfigError, HandshakeError
+from kvbridge.errors import (
+    ConfigError,
+    FailureKind,
+    HandshakeError,
+    InvalidKVTransferParams,
+    LoadFailure,
+)
 from kvbridge.handshake import HandshakeServer, MetadataStore, make_client, make_server
 from kvbridge.metadata import Compat, decode_rank
 from kvbridge.metrics import Metrics
+from kvbridge.params import KVTransferParams
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_SECONDS = 30.0
 
 
+def lease_margin(lease_seconds: float) -> float:
+    """How long before the prefill's lease ends a decode gives up its READs: covers the
+    time the prefill's answer spent travelling to the decode, and a READ being cancelled."""
+    return min(2.0 + 0.1 * lease_seconds, 0.5 * lease_seconds)
+
+
 class NixlSchedulerConnector:
     """Implements ``kvbridge.connector.base.SchedulerConnector``."""
 
     def __init__(self, *, engine_id: str, epoch: str, tp_size: int, total_kv_heads: int,
-                 block_bytes: int, side_channel: SideChannelConfig,
+                 block_size: int, block_bytes: int, side_channel: SideChannelConfig,
                  lease_seconds: float = DEFAULT_LEASE_SECONDS, metrics: Metrics | None = None,
                  recompute_on_failure: bool = True):
         self.engine_id = engine_id
         self.epoch = epoch
         self.tp_size = tp_size
+        self.block_size = block_size
         self.block_bytes = block_bytes  # one block, all layers, all ranks: for the byte metrics
         self.side_channel = side_channel
         self.lease_seconds = lease_seconds
@@ -49,15 +63,18 @@ class NixlSchedulerConnector:
         self.recompute_on_failure = recompute_on_failure  # the engine's policy, for metrics
         self._loads = LoadAggregator(tp_size)
         self._sends = SendAggregator(tp_size, total_kv_heads)
-        self._want: dict[str, dict[str, Any]] = {}       # decode: params of requests awaiting KV
+        # decode: requests awaiting KV -> (params, tokens to load, arrival time)
+        self._want: dict[str, tuple[KVTransferParams, int, float]] = {}
         self._new_loads: list[LoadSpec] = []
         self._cancelled: list[str] = []
         self._load_started: dict[str, float] = {}
         self._load_blocks: dict[str, int] = {}
-        self._refused: dict[str, str] = {}                # loads failed before reaching workers
+        self._refused: dict[str, LoadFailure] = {}        # loads failed before reaching workers
         self._leases: dict[str, float] = {}               # prefill: request id -> lease deadline
         self._prewarms: dict[str, tuple[int, float]] = {}  # engine id -> (ranks left, deadline)
         self._prewarm_lock = threading.Lock()  # prewarms are announced from API threads
+        self._abandoned: set[str] = set()  # held requests released from an API thread
+        self._abandoned_lock = threading.Lock()
         self.compat: Compat | None = None  # set by the instance once the workers are up
         self.server: HandshakeServer | None = None
         self.store: MetadataStore | None = None
@@ -143,45 +160,52 @@ class NixlSchedulerConnector:
     # -- SchedulerConnector ------------------------------------------------------------------
 
     def num_remote_tokens(self, request_id: str, prompt_ids: list[int],
-                          kv_transfer_params: dict[str, Any] | None) -> int:
-        p = kv_transfer_params or {}
-        if not p.get("do_remote_prefill") or not p.get("remote_block_ids"):
+                          params: KVTransferParams | None) -> int:
+        """Prompt tokens the remote KV covers (never more than its blocks hold: the rest
+        is computed here). Raises ``InvalidKVTransferParams`` for params that name another
+        prompt (see ``KVTransferParams.plan_load``)."""
+        if params is None or not params.loads_remote_kv:
             return 0
-        self._want[request_id] = p
-        return len(prompt_ids)
+        plan = params.check().plan_load(len(prompt_ids), self.block_size)
+        if plan.num_tokens == 0:
+            return 0
+        self._want[request_id] = (params, plan.num_blocks, time.monotonic())
+        return plan.num_tokens
 
     def on_blocks_allocated(self, request_id: str, block_ids: list[int]) -> None:
-        p = self._want.pop(request_id, None)
-        if p is None:
+        want = self._want.pop(request_id, None)
+        if want is None:
             return
+        params, num_blocks, arrived = want
         self._loads.expect(request_id)
         self._load_started[request_id] = time.monotonic()
         try:
-            spec = self._load_spec(request_id, p, block_ids)
-        except (KeyError, TypeError, ValueError) as e:
+            spec = self._load_spec(request_id, params, block_ids[:num_blocks], arrived)
+        except InvalidKVTransferParams as e:
             # Bad params fail this request alone, with a 400 (never recomputed).
-            self._refused[request_id] = f"{INVALID_PARAMS}: {e}"
+            self._refused[request_id] = LoadFailure(FailureKind.INVALID_PARAMS, str(e))
             return
         self._load_blocks[request_id] = len(spec.local_block_ids)
         self._new_loads.append(spec)
 
-    def _load_spec(self, request_id: str, p: dict[str, Any], block_ids: list[int]) -> LoadSpec:
-        remote = [int(b) for b in p["remote_block_ids"]]
-        if any(b < 0 for b in remote):
-            raise ValueError("negative remote block id")
-        method = self._method(p.get("handshake_method"))
-        port, tp = int(p["remote_port"]), int(p.get("tp_size") or 1)
-        if not 0 < port < 65536 or tp < 1:
-            raise ValueError(f"remote_port {port} or tp_size {tp} out of range")
-        n = min(len(remote), len(block_ids))
-        epoch = p.get("remote_epoch")
+    def _load_spec(self, request_id: str, p: KVTransferParams, local_blocks: list[int],
+                   arrived: float) -> LoadSpec:
+        try:
+            method = self._method(p.handshake_method)
+        except ValueError as e:
+            raise InvalidKVTransferParams(f"handshake_method: {e}") from None
+        assert p.remote_block_ids is not None and p.remote_port is not None
+        fence = float("inf")
+        if p.remote_lease_ms is not None:
+            lease = p.remote_lease_ms / 1000
+            fence = lease - lease_margin(lease) - (time.monotonic() - arrived)
         return LoadSpec(
-            request_id=request_id, local_block_ids=list(block_ids[:n]),
-            remote_block_ids=remote[:n],
-            remote_request_id=str(p.get("remote_request_id") or request_id),
-            remote_engine_id=str(p["remote_engine_id"]), remote_host=str(p["remote_host"]),
-            remote_port=port, remote_tp_size=tp,
-            remote_epoch=None if epoch is None else str(epoch), method=method)
+            request_id=request_id, local_block_ids=list(local_blocks),
+            remote_block_ids=list(p.remote_block_ids[:len(local_blocks)]),
+            remote_request_id=p.remote_request_id or request_id,
+            remote_engine_id=str(p.remote_engine_id), remote_host=str(p.remote_host),
+            remote_port=p.remote_port, remote_tp_size=p.tp_size or 1,
+            remote_epoch=p.remote_epoch, method=method, fence_seconds=fence)
 
     def build_worker_meta(self) -> WorkerMeta:
         meta = WorkerMeta(self._new_loads, self._cancelled)
@@ -209,6 +233,12 @@ class NixlSchedulerConnector:
             for remote_rid in done:
                 out.released.add(self._release(remote_rid))
                 self.metrics.held_released.labels("read").inc()
+        with self._abandoned_lock:
+            abandoned, self._abandoned = self._abandoned, set()
+        for remote_rid in abandoned & self._leases.keys():
+            self._sends.forget(remote_rid)
+            out.released.add(self._release(remote_rid))
+            self.metrics.held_released.labels("abandoned").inc()
         now = time.monotonic()
         for remote_rid in [r for r, t in self._leases.items() if t <= now]:
             log.warning("lease of request %s expired before every decode rank read it",
@@ -219,7 +249,8 @@ class NixlSchedulerConnector:
         return out
 
     def on_finished(self, request_id: str, block_ids: list[int],
-                    kv_transfer_params: dict[str, Any] | None):
+                    params: KVTransferParams | None, num_computed_tokens: int
+                    ) -> tuple[bool, KVTransferParams | None]:
         if request_id in self._want or request_id in self._load_started:
             # finished (aborted) while its load was in flight: workers drop it
             self._want.pop(request_id, None)
@@ -228,20 +259,32 @@ class NixlSchedulerConnector:
             self._load_blocks.pop(request_id, None)
             self._refused.pop(request_id, None)
             self._cancelled.append(request_id)
-        p = kv_transfer_params or {}
-        if not p.get("do_remote_decode") or not block_ids:
+        if params is None or not params.do_remote_decode or not block_ids:
+            return False, None
+        # Name only the blocks that hold computed KV (the sampled token has none yet).
+        held = block_ids[:-(-num_computed_tokens // self.block_size)]
+        if not held:
             return False, None
         self._leases[request_id] = time.monotonic() + self.lease_seconds
         self.metrics.held_requests.inc()
         port = self.server.port if self.server is not None else self.side_channel.side_channel_port
-        return True, {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_engine_id": self.engine_id, "remote_block_ids": list(block_ids),
-            "remote_request_id": request_id, "remote_host": self.side_channel.advertised,
-            "remote_port": port, "tp_size": self.tp_size,
-            # ours, beyond vLLM's names:
-            "remote_epoch": self.epoch, "handshake_method": self.side_channel.handshake_method,
-        }
+        return True, KVTransferParams(
+            do_remote_prefill=True, do_remote_decode=False, remote_engine_id=self.engine_id,
+            remote_block_ids=list(held), remote_request_id=request_id,
+            remote_host=self.side_channel.advertised, remote_port=port, tp_size=self.tp_size,
+            remote_epoch=self.epoch, handshake_method=self.side_channel.handshake_method,
+            remote_num_tokens=num_computed_tokens,
+            remote_lease_ms=int(self.lease_seconds * 1000))
+
+    def release(self, request_id: str) -> bool:
+        """Free a held request's blocks now (nobody will read them: the decode refused the
+        request or is gone). Thread-safe; the engine frees the blocks on its next step.
+        False when the request is not held (read already, expired, or unknown)."""
+        if request_id not in self._leases:
+            return False
+        with self._abandoned_lock:
+            self._abandoned.add(request_id)
+        return True
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -254,7 +297,7 @@ class NixlSchedulerConnector:
         self.metrics.held_requests.dec()
         return request_id
 
-    def _record_load(self, rid: str, err: str | None) -> None:
+    def _record_load(self, rid: str, err: LoadFailure | None) -> None:
         started = self._load_started.pop(rid, time.monotonic())
         blocks = self._load_blocks.pop(rid, 0)
         if err is None:
@@ -264,6 +307,6 @@ class NixlSchedulerConnector:
             self.metrics.kv_load_seconds.observe(time.monotonic() - started)
         else:
             self.metrics.kv_loads.labels("failed").inc()
-            if self.recompute_on_failure and not err.startswith(INVALID_PARAMS):
+            if self.recompute_on_failure and not err.request_fault:
                 self.metrics.requests_recomputed.inc()
             log.warning("KV load of request %s failed: %s", rid, err)

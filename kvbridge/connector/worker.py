@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kvbridge.config import SideChannelConfig
-from kvbridge.connector.base import INVALID_PARAMS
 from kvbridge.connector.messages import (
     LoadSpec,
     PeerSpec,
@@ -26,7 +25,13 @@ from kvbridge.connector.messages import (
     decode_notif,
     encode_notif,
 )
-from kvbridge.errors import InvalidBlockIds, KVBridgeError, PeerMismatch
+from kvbridge.errors import (
+    FailureKind,
+    InvalidBlockIds,
+    KVBridgeError,
+    LoadFailure,
+    PeerMismatch,
+)
 from kvbridge.handshake import HandshakeClient, make_client
 from kvbridge.metadata import compat_of, encode_rank
 from kvbridge.peers import Peer, PeerManager
@@ -41,9 +46,12 @@ DEFAULT_TRANSFER_TIMEOUT = 30.0
 class _Load:
     spec: LoadSpec
     peer: Future[Peer]
-    deadline: float
-    reads: list[PendingRead] | None = None
-    done: list[str] = field(default_factory=list)
+    fence: float                    # monotonic: every READ must be over by then
+    reads: list[PendingRead] | None = None   # None until the READs start
+    deadline: float = float("inf")  # the transfer timeout, once the READs started
+    # Set when the load failed; it is reported only once no READ of it can still land.
+    failure: LoadFailure | None = None
+    report: bool = True             # False once the head forgot it (cancelled)
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ class NixlWorkerConnector:
         self.peers: PeerManager | None = None
         self._clients: dict[str, HandshakeClient] = {}
         self._loads: dict[str, _Load] = {}
+        self._stale: set[str] = set()  # peers to forget once no READ uses them
 
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.agent = NixlAgent(f"kvbridge-{self.spec.engine_id[:8]}-{self.spec.epoch[:8]}-"
@@ -91,22 +100,29 @@ class NixlWorkerConnector:
         out = WorkerOutput(self.tp_rank)
         if meta is not None:
             for rid in meta.cancelled:
-                self._loads.pop(rid, None)
+                if (load := self._loads.get(rid)) is not None:
+                    load.report = False
+                    load.failure = load.failure or LoadFailure(FailureKind.ABORTED, "cancelled")
             for spec in meta.loads:
                 self._start(spec)
         for rid, load in list(self._loads.items()):
             try:
-                err = self._advance(load)
+                ended = self._advance(load)
             except Exception as e:  # one request's failure must never stop the engine
                 log.exception("load of %s failed unexpectedly", rid)
-                self.peers.invalidate(load.spec.remote_engine_id)
-                err = f"{type(e).__name__}: {e}"
-            if err is None and load.reads is not None and not load.reads:
+                load.failure = LoadFailure(FailureKind.TRANSFER, f"{type(e).__name__}: {e}")
+                self._drop_peer(load.spec.remote_engine_id)
+                ended = self._abort_reads(load)
+            if not ended:
+                continue
+            del self._loads[rid]
+            if not load.report:
+                continue
+            if load.failure is None:
                 out.loaded.append(rid)
-                del self._loads[rid]
-            elif err is not None:
-                out.failed[rid] = err
-                del self._loads[rid]
+            else:
+                out.failed[rid] = load.failure
+        self._invalidate_idle_stale_peers()
         out.handshakes = [(e.engine_id, e.method, e.seconds, e.outcome)
                           for e in self.peers.drain_events()]
         for msgs in self.agent.notifications().values():
@@ -127,10 +143,18 @@ class NixlWorkerConnector:
                                       method=peer.method, epoch=peer.epoch).done()
 
     def close(self) -> None:
+        """Abort loads in flight, wait for running handshakes, release every NIXL handle,
+        remove remote agents and deregister the cache (``NixlAgent.close``)."""
+        if self.agent is not None:
+            for load in self._loads.values():
+                self._abort_reads(load)
+        self._loads.clear()
         if self.peers is not None:
             self.peers.close()
         for c in self._clients.values():
             c.close()
+        if self.agent is not None:
+            self.agent.close()
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -144,41 +168,92 @@ class NixlWorkerConnector:
         fut = self.peers.connect(spec.remote_engine_id, spec.remote_host, spec.remote_port,
                                  spec.remote_tp_size, method=spec.method, epoch=spec.remote_epoch)
         # The handshake bounds itself; the READs get their own bound once they start.
-        self._loads[spec.request_id] = _Load(spec, fut, deadline=float("inf"))
+        self._loads[spec.request_id] = _Load(spec, fut,
+                                             fence=time.monotonic() + spec.fence_seconds)
 
-    def _advance(self, load: _Load) -> str | None:
-        """Move one load on; returns an error message when it failed."""
+    def _advance(self, load: _Load) -> bool:
+        """Move one load on; True once it ended: every READ it started is over (done,
+        failed or cancelled, handles released) and it has loaded or failed."""
+        if load.failure is None:
+            load.failure = self._progress(load)
+        if load.failure is not None:
+            return self._abort_reads(load)
+        return load.reads is not None and not load.reads
+
+    def _progress(self, load: _Load) -> LoadFailure | None:
         assert self.agent is not None and self.peers is not None
         spec = load.spec
+        now = time.monotonic()
         if load.reads is None:
+            if now > load.fence:
+                return LoadFailure(FailureKind.TRANSFER, "the prefill's lease on the blocks "
+                                   "would end before the READ could finish")
             if not load.peer.done():
                 return None
             if (exc := load.peer.exception()) is not None:
-                why = INVALID_PARAMS if isinstance(exc, PeerMismatch) else "handshake"
-                return f"{why}: handshake with {spec.remote_host}:{spec.remote_port} failed: {exc}"
+                kind = (FailureKind.INVALID_PARAMS if isinstance(exc, PeerMismatch)
+                        else FailureKind.HANDSHAKE)
+                return LoadFailure(kind, f"handshake with {spec.remote_host}:"
+                                         f"{spec.remote_port} failed: {exc}")
             peer = load.peer.result()
             notif = encode_notif(spec.remote_request_id, self.tp_rank, self.tp_size)
-            try:
-                load.reads = [self.agent.read(rr, spec.local_block_ids, spec.remote_block_ids,
-                                              notif) for rr in peer.ranks.values()]
-            except InvalidBlockIds as e:
-                return f"{INVALID_PARAMS}: remote_block_ids: {e}"
-            except KVBridgeError as e:
-                # e.g. NIXL_ERR_REMOTE_DISCONNECT: the peer died; handshake afresh next time
-                self.peers.invalidate(spec.remote_engine_id)
-                return f"READ from {spec.remote_engine_id} could not start: {e}"
-            load.deadline = time.monotonic() + self.spec.transfer_timeout
+            load.reads = []
+            load.deadline = now + self.spec.transfer_timeout
+            for rr in peer.ranks.values():
+                try:
+                    load.reads.append(self.agent.read(rr, spec.local_block_ids,
+                                                      spec.remote_block_ids, notif))
+                except InvalidBlockIds as e:
+                    return LoadFailure(FailureKind.INVALID_PARAMS, f"remote_block_ids: {e}")
+                except KVBridgeError as e:
+                    # e.g. NIXL_ERR_REMOTE_DISCONNECT: the peer died; handshake afresh next time
+                    self._drop_peer(spec.remote_engine_id)
+                    return LoadFailure(FailureKind.TRANSFER, f"READ from "
+                                       f"{spec.remote_engine_id} could not start: {e}")
         still = []
         for pending in load.reads:
             state = self.agent.poll(pending)
             if state == "ERR":
                 # The peer may have died or restarted: drop it so the next request handshakes.
-                self.peers.invalidate(spec.remote_engine_id)
-                return f"READ from {pending.agent_name} failed"
+                self._drop_peer(spec.remote_engine_id)
+                return LoadFailure(FailureKind.TRANSFER, f"READ from {pending.agent_name} "
+                                   "failed")
             if state == "PROC":
                 still.append(pending)
         load.reads = still
-        if still and time.monotonic() > load.deadline:
-            self.peers.invalidate(spec.remote_engine_id)
-            return f"READ from {spec.remote_engine_id} not done in {self.spec.transfer_timeout:g}s"
+        if still and now > load.fence:
+            return LoadFailure(FailureKind.TRANSFER, f"READ from {spec.remote_engine_id} not "
+                               "done before the prefill's lease on the blocks ends")
+        if still and now > load.deadline:
+            self._drop_peer(spec.remote_engine_id)
+            return LoadFailure(FailureKind.TRANSFER, f"READ from {spec.remote_engine_id} not "
+                               f"done in {self.spec.transfer_timeout:g}s")
         return None
+
+    def _abort_reads(self, load: _Load) -> bool:
+        """Cancel the load's READs still in flight; True once none is left. One NIXL cannot
+        cancel is polled on later steps: until it ends, it may still write into our blocks,
+        so the load is not reported (and no recompute starts) before then."""
+        assert self.agent is not None
+        load.reads = [r for r in (load.reads or [])
+                      if not self.agent.abort(r) and self.agent.poll(r) == "PROC"]
+        return not load.reads
+
+    def _drop_peer(self, engine_id: str) -> None:
+        """Forget a broken peer. Its descriptor lists are released only once no READ of
+        any load uses them: the loads on it fail and cancel their READs first."""
+        for load in self._loads.values():
+            if load.spec.remote_engine_id == engine_id and load.reads:
+                load.failure = load.failure or LoadFailure(
+                    FailureKind.TRANSFER, f"peer {engine_id} failed during the READ")
+                self._abort_reads(load)
+        self._stale.add(engine_id)
+        self._invalidate_idle_stale_peers()
+
+    def _invalidate_idle_stale_peers(self) -> None:
+        assert self.peers is not None
+        for engine_id in list(self._stale):
+            if not any(load.spec.remote_engine_id == engine_id and load.reads
+                       for load in self._loads.values()):
+                self._stale.discard(engine_id)
+                self.peers.invalidate(engine_id)

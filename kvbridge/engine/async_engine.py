@@ -21,6 +21,7 @@ from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.sequence import RequestOutput
 from kvbridge.errors import KVBridgeError
+from kvbridge.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -62,19 +63,20 @@ class AsyncEngine:
     def dead_reason(self) -> str | None:
         return None if self._dead is None else str(self._dead) or type(self._dead).__name__
 
-    def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        self.engine.check_request(prompt_token_ids, sampling)
+    def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
+                      kv_transfer_params: KVTransferParams | None = None) -> None:
+        self.engine.check_request(prompt_token_ids, sampling, kv_transfer_params)
 
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams,
                        request_id: str | None = None,
-                       kv_transfer_params: dict[str, Any] | None = None,
+                       kv_transfer_params: KVTransferParams | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; the last has ``finished`` set.
 
         Raises ``ValueError`` if the request is rejected, ``EngineDeadError`` if
         the engine stops. Closing the iterator early aborts the request.
         """
-        self.check_request(prompt_token_ids, sampling)
+        self.check_request(prompt_token_ids, sampling, kv_transfer_params)
         request_id = request_id or uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:

@@ -22,6 +22,7 @@ from kvbridge.engine.sequence import RequestOutput, Sequence
 from kvbridge.engine.workers import WorkerGroup
 from kvbridge.model.attention import SeqChunk
 from kvbridge.model.loader import load_config, load_tokenizer, resolve_dtype
+from kvbridge.params import KVTransferParams
 
 
 class LLMEngine:
@@ -54,8 +55,12 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Raise ``ValueError`` if the request can never run (thread-safe, no side effects)."""
+    def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
+                      kv_transfer_params: KVTransferParams | None = None) -> None:
+        """Raise ``ValueError`` if the request can never run (thread-safe, no side effects);
+        ``InvalidKVTransferParams`` (a ``ValueError``) for params this prompt cannot use."""
+        if kv_transfer_params is not None and kv_transfer_params.check().loads_remote_kv:
+            kv_transfer_params.plan_load(len(prompt_token_ids), self.config.block_size)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -70,10 +75,10 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
                     request_id: str | None = None,
-                    kv_transfer_params: dict[str, Any] | None = None) -> str:
+                    kv_transfer_params: KVTransferParams | None = None) -> str:
         """Queue a request; returns its id. ``ValueError`` if invalid or the id is in use."""
         sampling = sampling or SamplingParams()
-        self.check_request(prompt_token_ids, sampling)
+        self.check_request(prompt_token_ids, sampling, kv_transfer_params)
         request_id = request_id or uuid.uuid4().hex
         if self.scheduler.is_known(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")

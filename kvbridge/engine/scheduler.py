@@ -18,10 +18,11 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from kvbridge.connector.base import INVALID_PARAMS, ConnectorUpdate, SchedulerConnector
+from kvbridge.connector.base import ConnectorUpdate, SchedulerConnector
 from kvbridge.engine.block_manager import BlockManager
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.sequence import RequestOutput, RequestStatus, Sequence
+from kvbridge.errors import LoadFailure
 
 logger = logging.getLogger(__name__)
 
@@ -191,13 +192,11 @@ class Scheduler:
             if error is None:
                 # The last prompt token is always recomputed: its logits pick the next token.
                 seq.num_cached_tokens = min(seq.num_remote_tokens, seq.num_prompt_tokens - 1)
-            elif self.failure_policy == "recompute" and not error.startswith(INVALID_PARAMS):
+            elif self.failure_policy == "recompute" and not error.request_fault:
                 logger.warning("KV load of %s failed (%s): recomputing the prompt",
-                               request_id, error)
+                               request_id, error.message)
                 seq.num_cached_tokens = 0
             else:
-                if not error.startswith(INVALID_PARAMS):
-                    error = f"KV load failed: {error}"
                 outputs.append(self._finish(seq, "error", error=error))
                 continue
             seq.status = RequestStatus.WAITING
@@ -209,12 +208,12 @@ class Scheduler:
                 self.blocks.free(blocks)
         return outputs
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None,
+    def _finish(self, seq: Sequence, reason: str, error: LoadFailure | None = None,
                 new_token_ids: list[int] | None = None) -> RequestOutput:
         seq.status = RequestStatus.FINISHED
         del self.requests[seq.request_id]
         hold, params = self.connector.on_finished(seq.request_id, list(seq.block_table),
-                                                  seq.kv_transfer_params)
+                                                  seq.kv_transfer_params, seq.num_cached_tokens)
         if hold and seq.block_table:
             self.held[seq.request_id] = seq.block_table
         else:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
 from kvbridge.engine.sampling import SamplingParams
+from kvbridge.errors import LoadFailure
+from kvbridge.params import KVTransferParams
 
 
 class RequestStatus(enum.Enum):
@@ -20,7 +21,7 @@ class Sequence:
     """One request: its tokens, its blocks, and how much of it is already in the KV cache."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 seed: int, kv_transfer_params: dict[str, Any] | None = None):
+                 seed: int, kv_transfer_params: KVTransferParams | None = None):
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
@@ -61,7 +62,7 @@ class RequestOutput:
     """News about one request from one engine step.
 
     ``finish_reason``: "stop" (EOS), "length" (max_tokens or max_model_len),
-    "abort", or "error" (then ``error`` says why). ``kv_transfer_params`` is
+    "abort", or "error" (then ``error`` says why: its KV load failed). ``kv_transfer_params`` is
     what the connector's ``on_finished`` returned, on the final output only.
     ``num_cached_tokens``: prompt tokens whose KV was not computed here
     (loaded by the connector).
@@ -73,6 +74,6 @@ class RequestOutput:
     num_output_tokens: int
     finished: bool = False
     finish_reason: str | None = None
-    error: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    error: LoadFailure | None = None
+    kv_transfer_params: KVTransferParams | None = None
     num_cached_tokens: int = 0

@@ -36,12 +36,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvbridge.connector.base import INVALID_PARAMS
 from kvbridge.engine.async_engine import AsyncEngine, EngineDeadError
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.sequence import RequestOutput
+from kvbridge.errors import (
+    InvalidKVTransferParams,
+    LoadFailure,
+    RequestError,
+    error_body,
+    failure_status,
+)
+from kvbridge.params import KVTransferParams
 
-__all__ = ["BackgroundServer", "build_app", "run_server"]
+__all__ = ["BackgroundServer", "build_app", "check_request_body", "run_server"]
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -62,7 +69,7 @@ class _Common(msgspec.Struct, kw_only=True):
     stream_options: _StreamOptions | None = None
     seed: int | None = None
     ignore_eos: bool = False
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -79,21 +86,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: int | None = None
 
 
-class _APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = (
-            status, message, param, type_, code)
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param, self.type, self.code)
-
-
 def error_response(status: int, message: str, param: str | None = None,
                    type_: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param,
-                                   "code": code}}, status_code=status)
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
 
 
 # -- the app -------------------------------------------------------------------------------
@@ -126,8 +121,8 @@ def _endpoint(handler: Callable[[Request], Awaitable[Response]]
     async def run(request: Request) -> Response:
         try:
             return await handler(request)
-        except _APIError as e:
-            return e.response()
+        except RequestError as e:
+            return JSONResponse(e.body(), status_code=e.status)
         except EngineDeadError as e:
             return error_response(503, str(e), type_="server_error", code="engine_not_running")
     return run
@@ -151,7 +146,7 @@ class _API:
             "owned_by": "kvbridge", "max_model_len": self.engine.max_model_len}]})
 
     async def completions(self, request: Request) -> Response:
-        req = await _decode(request, CompletionRequest)
+        req = _parse(await request.body(), chat=False)
         self._check_model(req.model)
         prompt_ids = self._prompt_ids(req.prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None \
@@ -160,18 +155,14 @@ class _API:
         return await self._respond(request, req, prompt_ids, sampling, "prompt", chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        req = await _decode(request, ChatCompletionRequest)
+        req = _parse(await request.body(), chat=True)
         self._check_model(req.model)
-        if not req.messages:
-            raise _APIError(400, "messages must not be empty", "messages")
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
             prompt_ids = self.engine.tokenizer.encode_chat(messages)
         except ValueError as e:
-            raise _APIError(400, str(e), "messages") from None
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
+            raise RequestError(400, str(e), "messages") from None
+        param, max_tokens = _chat_max_tokens(req)
         if max_tokens is None:  # OpenAI chat: until the context is full
             max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))
         sampling = _sampling(req, max_tokens, param)
@@ -179,7 +170,7 @@ class _API:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise _APIError(404, f"the model {model!r} does not exist (serving "
+            raise RequestError(404, f"the model {model!r} does not exist (serving "
                                  f"{self.model_name!r})", "model", code="model_not_found")
 
     def _prompt_ids(self, prompt: str | list) -> list[int]:
@@ -189,23 +180,27 @@ class _API:
             return self.engine.tokenizer.encode(prompt)
         if all(isinstance(t, int) for t in prompt):
             return list(prompt)
-        raise _APIError(400, "batched prompts are not supported: send one string or one list "
+        raise RequestError(400, "batched prompts are not supported: send one string or one list "
                              "of token ids", "prompt")
 
     async def _respond(self, request: Request, req: _Common, prompt_ids: list[int],
                        sampling: SamplingParams, prompt_param: str, chat: bool) -> Response:
         try:
-            self.engine.check_request(prompt_ids, sampling)
+            self.engine.check_request(prompt_ids, sampling, req.kv_transfer_params)
+        except InvalidKVTransferParams as e:
+            raise RequestError(400, str(e), e.param) from None
         except ValueError as e:
-            raise _APIError(400, str(e), prompt_param) from None
+            raise RequestError(400, str(e), prompt_param) from None
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         outputs = self.engine.generate(prompt_ids, sampling, request_id, req.kv_transfer_params)
         fmt = _Formatter(self.engine.tokenizer, self.model_name, request_id, chat, len(prompt_ids))
         headers = {"x-request-id": request_id}
         try:
             first = await anext(outputs)
+        except InvalidKVTransferParams as e:
+            raise RequestError(400, str(e), e.param) from None
         except ValueError as e:
-            raise _APIError(400, str(e)) from None
+            raise RequestError(400, str(e)) from None
         if first.error is not None:  # failed before producing anything
             raise _request_failed(first.error)
         if req.stream:
@@ -222,29 +217,60 @@ class _API:
         return JSONResponse(fmt.full(token_ids, last), headers=headers)
 
 
-async def _decode(request: Request, schema: type[msgspec.Struct]) -> Any:
-    body = await request.body()
+def check_request_body(body: bytes, chat: bool) -> None:
+    """Every check an engine makes of a request before it tokenizes the prompt: the schema
+    (types, ``kv_transfer_params``) and the sampling settings. Raises ``RequestError``.
+
+    The proxy runs it before the prefill hop, so that a request the decode would refuse
+    never makes a prefill compute and hold KV that nobody reads.
+    """
+    req = _parse(body, chat)
+    if chat:
+        param, max_tokens = _chat_max_tokens(req)
+    else:
+        param, max_tokens = "max_tokens", req.max_tokens
+    _sampling(req, DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens, param)
+
+
+def _parse(body: bytes, chat: bool) -> Any:
+    schema = ChatCompletionRequest if chat else CompletionRequest
     try:
-        return msgspec.json.decode(body, type=schema)
+        req = msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as e:
         m = re.search(r"at `\$\.([A-Za-z_]+)", str(e))
-        raise _APIError(400, f"invalid request: {e}", m.group(1) if m else None) from None
+        param = m.group(1) if m else None
+        what = "kv_transfer_params" if param == "kv_transfer_params" else "request"
+        raise RequestError(400, f"invalid {what}: {e}", param) from None
     except msgspec.DecodeError as e:
-        raise _APIError(400, f"malformed JSON body: {e}") from None
+        raise RequestError(400, f"malformed JSON body: {e}") from None
+    if chat and not req.messages:
+        raise RequestError(400, "messages must not be empty", "messages")
+    if req.kv_transfer_params is not None:
+        try:
+            req.kv_transfer_params.check()
+        except InvalidKVTransferParams as e:
+            raise RequestError(400, str(e), e.param) from None
+    return req
+
+
+def _chat_max_tokens(req: ChatCompletionRequest) -> tuple[str, int | None]:
+    if req.max_completion_tokens is not None:
+        return "max_completion_tokens", req.max_completion_tokens
+    return "max_tokens", req.max_tokens
 
 
 def _sampling(req: _Common, max_tokens: int, max_tokens_param: str) -> SamplingParams:
     if req.n != 1:
-        raise _APIError(400, "only n=1 is supported", "n")
+        raise RequestError(400, "only n=1 is supported", "n")
     if max_tokens < 1:
-        raise _APIError(400, f"{max_tokens_param} must be at least 1, got {max_tokens}",
+        raise RequestError(400, f"{max_tokens_param} must be at least 1, got {max_tokens}",
                         max_tokens_param)
     temperature = 1.0 if req.temperature is None else req.temperature
     if not 0 <= temperature <= 2:
-        raise _APIError(400, f"temperature must be in [0, 2], got {temperature}", "temperature")
+        raise RequestError(400, f"temperature must be in [0, 2], got {temperature}", "temperature")
     top_p = 1.0 if req.top_p is None else req.top_p
     if not 0 < top_p <= 1:
-        raise _APIError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
+        raise RequestError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                           seed=req.seed, ignore_eos=req.ignore_eos)
 
@@ -281,7 +307,7 @@ class _Formatter:
             body = self._envelope("text_completion", [choice])
         body["usage"] = self._usage(len(token_ids))
         if last.kv_transfer_params is not None:
-            body["kv_transfer_params"] = last.kv_transfer_params
+            body["kv_transfer_params"] = last.kv_transfer_params.to_json()
         return body
 
     def _chunk(self, text: str | None, finish_reason: str | None,
@@ -309,8 +335,8 @@ class _Formatter:
             while True:
                 token_ids += out.new_token_ids
                 if out.error is not None:
-                    yield _sse({"error": {"message": out.error, "type": "server_error",
-                                          "param": None, "code": "request_failed"}})
+                    st = failure_status(out.error)
+                    yield _sse(error_body(str(out.error), st.type, None, st.code))
                     break
                 text = self.tokenizer.decode(token_ids)
                 # Hold back an incomplete multi-byte character until its other bytes come.
@@ -320,7 +346,7 @@ class _Formatter:
                 if out.finished:
                     chunk = self._chunk(delta, out.finish_reason)
                     if out.kv_transfer_params is not None:
-                        chunk["kv_transfer_params"] = out.kv_transfer_params
+                        chunk["kv_transfer_params"] = out.kv_transfer_params.to_json()
                     yield _sse(chunk)
                     if include_usage:
                         usage = self._envelope(chunk["object"], [])
@@ -338,11 +364,11 @@ class _Formatter:
         yield "data: [DONE]\n\n"
 
 
-def _request_failed(error: str) -> _APIError:
+def _request_failed(failure: LoadFailure) -> RequestError:
     """The request's own fault (bad kv_transfer_params) is a 400; anything else a 502."""
-    if error.startswith(INVALID_PARAMS):
-        return _APIError(400, error, param="kv_transfer_params")
-    return _APIError(502, error, type_="server_error", code="request_failed")
+    st = failure_status(failure)
+    return RequestError(st.status, str(failure), "kv_transfer_params" if failure.request_fault
+                     else None, st.type, st.code)
 
 
 def _sse(obj: dict[str, Any]) -> str:

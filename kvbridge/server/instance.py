@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -28,11 +29,12 @@ from kvbridge.connector.scheduler import DEFAULT_LEASE_SECONDS, NixlSchedulerCon
 from kvbridge.connector.worker import DEFAULT_TRANSFER_TIMEOUT, NixlWorkerConnectorFactory
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.engine import build_engine
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import InvalidKVTransferParams, KVBridgeError
 from kvbridge.handshake.base import token_ok
 from kvbridge.metadata import compat_of, decode_rank
 from kvbridge.metrics import CONTENT_TYPE, Metrics
 from kvbridge.model.loader import load_config, resolve_dtype
+from kvbridge.params import KVTransferParams
 from kvbridge.server.api import build_app, error_response
 
 log = logging.getLogger(__name__)
@@ -88,7 +90,7 @@ class Instance:
         self.metrics = Metrics()
         self.connector = NixlSchedulerConnector(
             engine_id=self.engine_id, epoch=self.epoch, tp_size=opts.tp_size,
-            total_kv_heads=cfg.num_key_value_heads,
+            total_kv_heads=cfg.num_key_value_heads, block_size=opts.block_size,
             block_bytes=_block_bytes(cfg, opts), side_channel=opts.side_channel,
             lease_seconds=opts.lease_seconds, metrics=self.metrics,
             recompute_on_failure=opts.kv_load_failure_policy == "recompute")
@@ -119,6 +121,7 @@ class Instance:
         routes = [Route("/metrics", self._metrics, methods=["GET"])]
         if opts.role in ("prefill", "both"):
             routes.append(Route("/v1/kv/info", self._kv_info, methods=["GET"]))
+            routes.append(Route("/v1/kv/release", self._kv_release, methods=["POST"]))
         if opts.role in ("decode", "both"):
             routes.append(Route("/v1/kv/prewarm", self._kv_prewarm, methods=["POST"]))
         self.app.router.routes.extend(routes)
@@ -164,10 +167,34 @@ class Instance:
                              sc.handshake_method, "side_channel_host": sc.advertised,
                              "side_channel_port": self.side_channel_port})
 
-    async def _kv_prewarm(self, request: Request) -> Response:
-        token = self.opts.side_channel.token
+    def _authorized(self, request: Request) -> bool:
+        """The side-channel token, when the instance has one, guards the KV routes."""
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if not token_ok(token, given if scheme.lower() == "bearer" else None):
+        return token_ok(self.opts.side_channel.token,
+                        given if scheme.lower() == "bearer" else None)
+
+    async def _kv_release(self, request: Request) -> Response:
+        """Free a held request's blocks at once: the decode refused the request or is
+        unreachable, so nobody will read them. Body: the ``kv_transfer_params`` this prefill
+        returned (only ``remote_engine_id`` and ``remote_request_id`` are used)."""
+        if not self._authorized(request):
+            return _error(401, "missing or invalid bearer token (the side-channel token)")
+        try:
+            params = KVTransferParams.from_obj(msgspec.json.decode(await request.body()))
+        except (msgspec.DecodeError, InvalidKVTransferParams) as e:
+            return _error(400, f"expected the kv_transfer_params this prefill returned: {e}")
+        if params is None or params.remote_request_id is None:
+            return _error(400, "kv_transfer_params.remote_request_id is required")
+        if params.remote_engine_id != self.engine_id:
+            return _error(409, f"remote_engine_id {params.remote_engine_id!r} is not this "
+                               f"instance ({self.engine_id})")
+        released = self.connector.release(params.remote_request_id)
+        if released:
+            self.engine.wake()
+        return JSONResponse({"released": released})
+
+    async def _kv_prewarm(self, request: Request) -> Response:
+        if not self._authorized(request):
             return _error(401, "missing or invalid bearer token (the side-channel token)")
         try:
             body = await request.json()

@@ -37,7 +37,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, RequestError, error_body
+from kvbridge.params import KVTransferParams
+from kvbridge.server.api import check_request_body
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
@@ -56,18 +58,11 @@ DEFAULT_TIMEOUT = 300.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 _HEALTH_TIMEOUT = 5.0
 
+# Errors that prove a request never reached the engine (nothing was sent).
+_NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+
 _COMPLETIONS = "/v1/completions"
 _CHAT = "/v1/chat/completions"
-
-# What the prefill is told: compute the KV cache and keep it for a remote decode to pull.
-_PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 # Per-hop headers, and ones we set ourselves, are not relayed from the decode to the client.
 _DROP_HEADERS = frozenset(
@@ -93,8 +88,7 @@ def _error(
     status: int, message: str, err_type: str = "upstream_error", param: Any = None
 ) -> JSONResponse:
     """An OpenAI-shaped error response (``code`` carries the status, as vLLM does)."""
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(message, err_type, param, status), status_code=status)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -138,7 +132,7 @@ def _prefill_body(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
     # vLLM rejects stream_options without stream, and min_tokens above max_tokens.
     out.pop("stream_options", None)
     out.pop("min_tokens", None)
-    out["kv_transfer_params"] = dict(_PREFILL_KV_PARAMS)
+    out["kv_transfer_params"] = KVTransferParams.for_prefill()
     return out
 
 
@@ -224,6 +218,10 @@ class _Proxy:
         self.upstream_errors = Counter("kvbridge_proxy_upstream_errors",
                                        "Engines that could not be reached, by hop", ["stage"],
                                        registry=r)
+        self.releases = Counter("kvbridge_proxy_kv_releases",
+                                "Prefill holds released after a failed decode hop, by outcome",
+                                ["outcome"], registry=r)
+        self._tasks: set[asyncio.Task] = set()
         self.decode_urls = decode_urls
         self._prefills = itertools.cycle(prefill_urls)
         self._decodes = itertools.cycle(decode_urls)
@@ -257,6 +255,8 @@ class _Proxy:
         finally:
             if task is not None:
                 task.cancel()
+            if self._tasks:  # releases under way: let them reach the prefills
+                await asyncio.wait(self._tasks, timeout=_HEALTH_TIMEOUT)
             client, self._client = self._client, None
             if client is not None:
                 await client.aclose()
@@ -335,6 +335,13 @@ class _Proxy:
             return _error(400, "request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", "invalid_request_error")
+        try:
+            # The decode's own checks, now: a request it would refuse must not make a
+            # prefill compute and hold KV (the client's kv_transfer_params are replaced).
+            check_request_body(_dumps({**body, "kv_transfer_params": None}),
+                               chat=endpoint == _CHAT)
+        except RequestError as e:
+            return _error(e.status, e.message, e.type, e.param)
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = self._engine_headers(request, request_id)
 
@@ -395,8 +402,35 @@ class _Proxy:
         except httpx.HTTPError as exc:
             log.warning("request %s: decode %s failed: %r", request_id, decode, exc)
             self.upstream_errors.labels("decode").inc()
+            if kv_params is not None and isinstance(exc, _NEVER_SENT):
+                self._release_later(prefill, kv_params, request_id)
             return _transport_error("decode", decode, exc)
+        if kv_params is not None and dresp.status_code >= 400:
+            # The decode answered with an error before its first token: its load (if it
+            # started one) is over, and nobody will read the prefill's blocks.
+            self._release_later(prefill, kv_params, request_id)
         return _UpstreamResponse(dresp, decode, request_id)
+
+    def _release_later(self, prefill: str, kv_params: Any, request_id: str) -> None:
+        task = asyncio.create_task(self._release(prefill, kv_params, request_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release(self, prefill: str, kv_params: Any, request_id: str) -> None:
+        """Tell the prefill to free the request's held blocks now rather than at the end
+        of their lease (best effort: the lease still bounds them if this fails)."""
+        headers = {"authorization": f"Bearer {self.kv_token}"} if self.kv_token else {}
+        try:
+            r = await self.client.post(prefill + "/v1/kv/release", content=_dumps(kv_params),
+                                       headers={**headers, "content-type": "application/json"},
+                                       timeout=_HEALTH_TIMEOUT)
+            outcome = "ok" if r.status_code == 200 else str(r.status_code)
+        except httpx.HTTPError as exc:
+            outcome = type(exc).__name__
+        self.releases.labels(outcome).inc()
+        if outcome != "ok":
+            log.warning("request %s: releasing its blocks on %s failed: %s", request_id,
+                        prefill, outcome)
 
     async def models(self, request: Request) -> Response:
         url = self.decode_urls[0]
