@@ -30,7 +30,7 @@ class Serve(KVBridgeProcess):
     is its API."""
 
     def __init__(self, name: str, log_dir: Path, *args: str, tls: Path | None = None,
-                 port: int | None = None):
+                 port: int | None = None, env: dict[str, str] | None = None):
         self.port = port or free_port()
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.verify = ssl.create_default_context(cafile=str(tls / "ca.pem")) if tls else True
@@ -38,7 +38,8 @@ class Serve(KVBridgeProcess):
                     ["--ssl-certfile", str(tls / "prefill.pem"), "--ssl-keyfile",
                      str(tls / "prefill.key"), "--ssl-ca-certs", str(tls / "ca.pem")])
         super().__init__(name, log_dir, "serve", "--port", str(self.port), "--dtype", "float64",
-                         *tls_args, *args, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         *tls_args, *args,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
     def wait_ready(self, deadline: float) -> None:
         self.wait_healthy(self.url + "/health", deadline, self.verify)
