@@ -114,6 +114,11 @@ class PeerManager:
             if fut.done() and not fut.exception():
                 self._disconnect(fut.result())
 
+    def __len__(self) -> int:
+        """Peers handshaken and cached now."""
+        with self._lock:
+            return sum(f.done() and f.exception() is None for f in self._peers.values())
+
     def drain_events(self) -> list[HandshakeEvent]:
         """Handshakes finished since the last call."""
         with self._lock:

@@ -103,6 +103,8 @@ class NixlAgent:
         local = np.concatenate([slice_descs(self.kv, s.local_head, s.num_heads)
                                 for s in slices])
         with self._lock:
+            if self._closed:
+                raise TransferError("the NIXL agent is closed")
             try:  # NIXL raises its own exception types (bad metadata, unknown agent, ...)
                 agent_name = self._agent.add_remote_agent(meta.agent_metadata)
             except Exception as e:
@@ -229,11 +231,16 @@ class NixlAgent:
                     self.disconnect(peer)
                 except Exception:  # a dead peer's agent may be gone already
                     self._peers.pop(id(peer), None)
-            if self._reg is not None and not self._reads:
-                # Memory a READ may still target stays registered (and the tensor alive).
+            if self._reads:
+                # A READ NIXL could neither cancel nor finish may still write into the cache:
+                # keep the agent, its registration and the tensor alive with the process.
+                return
+            if self._reg is not None:
                 self._agent.deregister_memory(self._reg)
                 self._reg = None
-                self._kv_tensor = None
+            self._kv_tensor = None
+            # The agent's UCX worker, progress thread, sockets and shared memory go with it.
+            self._agent = None
 
     def wait(self, pending: PendingRead, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -247,7 +254,7 @@ class NixlAgent:
     def notifications(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, by sending agent."""
         with self._lock:
-            return self._agent.get_new_notifs()
+            return {} if self._agent is None else self._agent.get_new_notifs()
 
     def rank_metadata(self, engine_id: str, epoch: str, tp_rank: int, tp_size: int) -> RankMetadata:
         """What peers need to read this rank (served by the side channel)."""

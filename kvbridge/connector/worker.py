@@ -142,6 +142,10 @@ class NixlWorkerConnector:
         return not self.peers.connect(peer.engine_id, peer.host, peer.port, peer.tp_size,
                                       method=peer.method, epoch=peer.epoch).done()
 
+    def peer_count(self) -> int:
+        """Remote instances this rank has handshaken with and caches."""
+        return 0 if self.peers is None else len(self.peers)
+
     def close(self) -> None:
         """Abort loads in flight, wait for running handshakes, release every NIXL handle,
         remove remote agents and deregister the cache (``NixlAgent.close``)."""

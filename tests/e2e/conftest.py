@@ -82,7 +82,8 @@ def cluster(certs, token_file, serve_log_dir) -> Iterator[dict[str, Serve]]:
     the fail policy) and a ``--role both`` reference engine, all in float64."""
     side = ("--side-channel-port", "0", "--side-channel-token-file", str(token_file),
             "--handshake-timeout", "5")
-    specs: dict[str, tuple[tuple[str, ...], Path | None]] = {"ref": (("--role", "both"), certs)}
+    specs: dict[str, tuple[tuple[str, ...], Path | None]] = {
+        "ref": (("--role", "both", "--side-channel-port", "0"), certs)}
     for tp in (1, 2):
         for method in ("http", "zmq"):
             specs[f"p{tp}-{method}"] = (("--role", "prefill", "--tp", str(tp),
