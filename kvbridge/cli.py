@@ -12,7 +12,15 @@ import sys
 from collections.abc import Sequence
 
 from kvbridge import __version__
-from kvbridge.config import SideChannelConfig, TLSConfig, parse_cert_reqs
+from kvbridge.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_NUM_BLOCKS,
+    DEFAULT_TRANSFER_TIMEOUT,
+    SideChannelConfig,
+    TLSConfig,
+    parse_cert_reqs,
+)
 from kvbridge.errors import ConfigError
 
 
@@ -57,16 +65,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="local Hugging Face Llama checkpoint dir (default: built-in tiny)")
     s.add_argument("--served-model-name")
     s.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
-    s.add_argument("--num-blocks", type=int, default=256)
-    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS)
+    s.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     s.add_argument("--engine-id", help="stable id of this instance (default: random)")
     s.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="recompute")
-    s.add_argument("--kv-lease-seconds", type=float, default=30.0,
+    s.add_argument("--kv-lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS,
                    help="prefill: free held blocks after this long even if unread")
     s.add_argument("--kv-peer", action="append", default=[], metavar="HOST:PORT",
                    help="decode: a prefill side channel to handshake with at start-up "
                    "(repeatable), so the first request pays no handshake")
-    s.add_argument("--transfer-timeout", type=float, default=30.0,
+    s.add_argument("--transfer-timeout", type=float, default=DEFAULT_TRANSFER_TIMEOUT,
                    help="decode: seconds a started READ may take")
     _side_channel_flags(s)
     _tls_flags(s, "API server (the side channel uses them too unless given its own)")

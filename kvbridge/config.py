@@ -19,6 +19,13 @@ from kvbridge.metadata import DEFAULT_MAX_MESSAGE_BYTES
 
 METHODS = ("zmq", "http")
 
+# -- serving defaults: the one place flags, InstanceOptions, EngineConfig and build_engine
+# take them from -------------------------------------------------------------------------
+DEFAULT_NUM_BLOCKS = 256        # KV blocks per worker
+DEFAULT_BLOCK_SIZE = 16         # tokens per block
+DEFAULT_LEASE_SECONDS = 30.0    # prefill: held blocks are freed after this even if unread
+DEFAULT_TRANSFER_TIMEOUT = 30.0  # decode: seconds a started READ may take (within the lease)
+
 # setting -> environment names, ours first, then the vLLM alias
 ENV_NAMES: dict[str, tuple[str, ...]] = {
     "handshake_method": ("KVBRIDGE_HANDSHAKE_METHOD", "VLLM_NIXL_HANDSHAKE_METHOD"),

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from kvbridge.config import METHODS, SideChannelConfig
+from kvbridge.config import DEFAULT_LEASE_SECONDS, METHODS, SideChannelConfig
 from kvbridge.connector.aggregator import LoadAggregator, SendAggregator
 from kvbridge.connector.base import ConnectorUpdate
 from kvbridge.connector.messages import LoadSpec, PeerSpec, WorkerMeta, WorkerOutput
@@ -35,8 +35,6 @@ from kvbridge.metrics import Metrics
 from kvbridge.params import KVTransferParams
 
 log = logging.getLogger(__name__)
-
-DEFAULT_LEASE_SECONDS = 30.0
 
 
 def lease_margin(lease_seconds: float) -> float:

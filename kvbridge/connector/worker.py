@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbridge.config import SideChannelConfig
+from kvbridge.config import DEFAULT_TRANSFER_TIMEOUT, SideChannelConfig
 from kvbridge.connector.messages import (
     LoadSpec,
     PeerSpec,
@@ -38,8 +38,6 @@ from kvbridge.peers import Peer, PeerManager
 from kvbridge.transfer import NixlAgent, PendingRead
 
 log = logging.getLogger(__name__)
-
-DEFAULT_TRANSFER_TIMEOUT = 30.0
 
 
 @dataclass

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kvbridge.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS
+
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
@@ -25,8 +27,8 @@ class EngineConfig:
     model: str | None = None
     tp_size: int = 1
     dtype: str = "float32"
-    num_blocks: int = 256
-    block_size: int = 16
+    num_blocks: int = DEFAULT_NUM_BLOCKS
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None

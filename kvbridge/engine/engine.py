@@ -13,6 +13,7 @@ import random
 import uuid
 from typing import Any
 
+from kvbridge.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS
 from kvbridge.connector.base import NullConnector, NullWorkerConnector, SchedulerConnector
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.model_runner import StepInput, WorkerConnectorFactory
@@ -189,7 +190,7 @@ def _null_worker_connector(tp_rank: int, tp_size: int) -> NullWorkerConnector:
 
 
 def build_engine(model: str | None = None, tp_size: int = 1, dtype: str = "float32",
-                 num_blocks: int = 256, block_size: int = 16,
+                 num_blocks: int = DEFAULT_NUM_BLOCKS, block_size: int = DEFAULT_BLOCK_SIZE,
                  connector: SchedulerConnector | None = None,
                  worker_connector_factory: WorkerConnectorFactory | None = None,
                  kv_load_failure_policy: str = "recompute", **config: Any) -> LLMEngine:

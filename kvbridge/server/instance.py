@@ -23,10 +23,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvbridge.config import SideChannelConfig, TLSConfig
+from kvbridge.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_NUM_BLOCKS,
+    DEFAULT_TRANSFER_TIMEOUT,
+    SideChannelConfig,
+    TLSConfig,
+)
 from kvbridge.connector.messages import PeerSpec
-from kvbridge.connector.scheduler import DEFAULT_LEASE_SECONDS, NixlSchedulerConnector
-from kvbridge.connector.worker import DEFAULT_TRANSFER_TIMEOUT, NixlWorkerConnectorFactory
+from kvbridge.connector.scheduler import NixlSchedulerConnector
+from kvbridge.connector.worker import NixlWorkerConnectorFactory
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.engine import build_engine
 from kvbridge.errors import InvalidKVTransferParams, KVBridgeError
@@ -48,8 +55,8 @@ class InstanceOptions:
     tp_size: int = 1
     model: str | None = None
     dtype: str = "float32"
-    num_blocks: int = 256
-    block_size: int = 16
+    num_blocks: int = DEFAULT_NUM_BLOCKS
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_load_failure_policy: str = "recompute"
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT
