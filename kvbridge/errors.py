@@ -69,6 +69,18 @@ class TPMappingError(KVBridgeError, ValueError):
     """The two TP sizes and the head count cannot be mapped onto each other."""
 
 
+class EngineDeadError(KVBridgeError, RuntimeError):
+    """The engine loop stopped (a worker failed, or the engine was shut down)."""
+
+
+class WorkerError(KVBridgeError, RuntimeError):
+    """A TP worker raised; the message holds every failing rank's traceback."""
+
+
+class WorkerDiedError(KVBridgeError, RuntimeError):
+    """A TP worker process exited or stopped answering; the engine cannot continue."""
+
+
 class InvalidKVTransferParams(KVBridgeError, ValueError):
     """``kv_transfer_params`` that can never be served: wrong types, missing fields, blocks
     that do not fit the prompt, a peer other than the one named. The request's own fault:
@@ -135,6 +147,7 @@ _STATUS: list[tuple[type[BaseException], ErrorStatus]] = [
     (HandshakeError, ErrorStatus(502, "upstream_error")),
     (CompatibilityError, ErrorStatus(502, "upstream_error")),
     (TransferError, ErrorStatus(502, "server_error", "request_failed")),
+    (EngineDeadError, ErrorStatus(503, "server_error", "engine_not_running")),
     (KVBridgeError, ErrorStatus(500, "server_error")),
 ]
 

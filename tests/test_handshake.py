@@ -290,7 +290,8 @@ def test_401_reveals_no_metadata(servers, certs, auth, path):
             r = http.get(_url(servers["http"], path), headers={**headers, "accept": accept})
             assert r.status_code == 401
             _assert_no_metadata(r.content)
-            assert r.json() == {"error": "missing or invalid bearer token"}
+            assert r.json()["error"]["message"] == "missing or invalid bearer token"
+            assert r.json()["error"]["type"] == "authentication_error"
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token"])

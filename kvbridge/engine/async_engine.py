@@ -20,16 +20,12 @@ from typing import Any
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.sequence import RequestOutput
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import EngineDeadError
 from kvbridge.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
 _STOP = ("stop",)
-
-
-class EngineDeadError(KVBridgeError, RuntimeError):
-    """The engine loop stopped (a worker failed, or the engine was shut down)."""
 
 
 class AsyncEngine:

@@ -37,7 +37,7 @@ from typing import Any
 
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.model_runner import ModelRunner, WorkerConnectorFactory
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import WorkerDiedError, WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +46,6 @@ _SHUTDOWN = "__shutdown__"
 # broken (a rank that failed before an all-reduce leaves the others blocked in it).
 _FAILURE_GRACE_S = 10.0
 _GLOO_TIMEOUT = timedelta(seconds=120)
-
-
-class WorkerError(KVBridgeError, RuntimeError):
-    """A worker raised; the message holds every failing rank's traceback."""
-
-
-class WorkerDiedError(KVBridgeError, RuntimeError):
-    """A worker process exited or stopped answering; the engine cannot continue."""
 
 
 class WorkerGroup:

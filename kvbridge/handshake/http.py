@@ -34,7 +34,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvbridge.config import TLSConfig
-from kvbridge.errors import HandshakeError, HandshakeTimeout, WireFormatError
+from kvbridge.errors import HandshakeError, HandshakeTimeout, WireFormatError, error_body
 from kvbridge.handshake.base import (
     MAX_REQUEST_BYTES,
     HandshakeClient,
@@ -49,13 +49,16 @@ from kvbridge.handshake.base import (
 log = logging.getLogger(__name__)
 
 MSGPACK = "application/vnd.msgpack"
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "invalid_request_error", 503: "server_error"}
 PATH = "/v1/kv/handshake"
 
 
 def build_app(store: MetadataStore, token: str | None,
               observer: Observer | None = None) -> ASGIApp:
     def _error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status)
+        return JSONResponse(error_body(message, _ERROR_TYPES.get(status, "server_error")),
+                            status_code=status)
 
     async def handshake(request: Request) -> Response:
         auth = request.headers.get("authorization", "")
@@ -138,7 +141,7 @@ class _BodyLimit:
         if scope["type"] == "http":
             for name, value in scope["headers"]:
                 if name == b"content-length" and (not value.isdigit() or int(value) > self.limit):
-                    await JSONResponse({"error": "request body too large"},
+                    await JSONResponse(error_body("request body too large"),
                                        status_code=413)(scope, receive, send)
                     return
         await self.app(scope, receive, send)
@@ -379,6 +382,7 @@ def _is_tls_error(e: Exception) -> bool:
 def _error_text(body: bytes) -> str:
     text = body[:300].decode("utf-8", "replace")
     try:
-        return str(json.loads(text).get("error", text))
-    except ValueError:
+        err = json.loads(text).get("error", text)
+    except (ValueError, AttributeError):
         return text
+    return str(err.get("message", err)) if isinstance(err, dict) else str(err)

@@ -36,15 +36,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvbridge.engine.async_engine import AsyncEngine, EngineDeadError
+from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.sequence import RequestOutput
 from kvbridge.errors import (
+    EngineDeadError,
     InvalidKVTransferParams,
+    KVBridgeError,
     LoadFailure,
     RequestError,
     error_body,
     failure_status,
+    status_of,
 )
 from kvbridge.params import KVTransferParams
 
@@ -123,8 +126,9 @@ def _endpoint(handler: Callable[[Request], Awaitable[Response]]
             return await handler(request)
         except RequestError as e:
             return JSONResponse(e.body(), status_code=e.status)
-        except EngineDeadError as e:
-            return error_response(503, str(e), type_="server_error", code="engine_not_running")
+        except KVBridgeError as e:  # e.g. EngineDeadError: 503, through the one table
+            st = status_of(e)
+            return error_response(st.status, str(e), type_=st.type, code=st.code)
     return run
 
 
