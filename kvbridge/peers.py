@@ -114,6 +114,14 @@ class PeerManager:
             if fut.done() and not fut.exception():
                 self._disconnect(fut.result())
 
+    def cached(self, engine_id: str) -> Peer | None:
+        """The peer for ``engine_id`` if a handshake with it succeeded (never blocks)."""
+        with self._lock:
+            fut = self._peers.get(engine_id)
+            if fut is None or not fut.done() or fut.exception() is not None:
+                return None
+            return fut.result()
+
     def __len__(self) -> int:
         """Peers handshaken and cached now."""
         with self._lock:

@@ -125,7 +125,7 @@ class NixlAgent:
 
     def disconnect(self, peer: RemoteRank) -> None:
         """Release the peer's descriptor lists and remove its agent. READs on it must be
-        over first (see ``reads_on``): NIXL transfers use the lists they were built from."""
+        over first: NIXL transfers use the lists they were built from."""
         with self._lock:
             if self._peers.pop(id(peer), None) is None:
                 return  # already disconnected
@@ -134,11 +134,6 @@ class NixlAgent:
                     self._agent.release_dlist_handle(dl)
             peer.remote_dlist = peer.local_dlist = None
             self._agent.remove_remote_agent(peer.agent_name)
-
-    def reads_on(self, agent_name: str) -> int:
-        """READs towards ``agent_name`` whose handles are not yet released."""
-        with self._lock:
-            return sum(r.agent_name == agent_name for r in self._reads.values())
 
     def read(self, peer: RemoteRank, local_blocks: Sequence[int], remote_blocks: Sequence[int],
              notif: bytes) -> PendingRead:
@@ -250,6 +245,17 @@ class NixlAgent:
             time.sleep(0.0002)
         if state != "DONE":
             raise TransferError(f"READ from {pending.agent_name} failed")
+
+    def send_notification(self, peer: RemoteRank, msg: bytes) -> None:
+        """A notification to ``peer``'s agent, not bound to a transfer."""
+        with self._lock:
+            if self._closed or peer.remote_dlist is None:
+                raise TransferError(f"peer {peer.agent_name} was disconnected")
+            try:
+                self._agent.send_notif(peer.agent_name, msg)
+            except Exception as e:
+                raise TransferError(f"notification to {peer.agent_name} failed: "
+                                    f"{type(e).__name__}: {e}") from e
 
     def notifications(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, by sending agent."""

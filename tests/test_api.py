@@ -31,6 +31,7 @@ class EchoOrFailConnector:
 
     def __init__(self) -> None:
         self.allocated: list[str] = []
+        self.refused: list = []
 
     def num_remote_tokens(self, request_id, prompt_ids, kv_transfer_params) -> int:
         return len(prompt_ids) if kv_transfer_params and kv_transfer_params.loads_remote_kv \
@@ -41,6 +42,9 @@ class EchoOrFailConnector:
 
     def build_worker_meta(self) -> None:
         return None
+
+    def on_refused(self, kv_transfer_params) -> None:
+        self.refused.append(kv_transfer_params)
 
     def has_pending(self) -> bool:
         return False
@@ -57,9 +61,12 @@ class EchoOrFailConnector:
         return False, msgspec.structs.replace(kv_transfer_params, remote_request_id="echo")
 
 
+CONNECTOR = EchoOrFailConnector()
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, AsyncEngine]]:
-    engine = AsyncEngine(build_engine(num_blocks=128, connector=EchoOrFailConnector(),
+    engine = AsyncEngine(build_engine(num_blocks=128, connector=CONNECTOR,
                                       kv_load_failure_policy="fail"))
     with BackgroundServer(build_app(engine, MODEL, shutdown_engine_on_exit=True)) as srv:
         yield srv.url, engine
@@ -227,6 +234,19 @@ def test_malformed_json(client):
 ])
 def test_bad_completion_requests(client, body, param):
     assert_error(client.post("/v1/completions", json=body), 400, param)
+
+
+def test_a_refused_request_tells_the_connector_whose_kv_nobody_will_read(client):
+    before = len(CONNECTOR.refused)
+    for body in ({"prompt": "x", "max_tokens": -1}, {"prompt": "x", "model": "other"},
+                 {"prompt": "x" * 5000}):
+        assert client.post("/v1/completions", json={**body, "kv_transfer_params": REMOTE}
+                           ).status_code in (400, 404)
+    # the engine loop takes them in order; a request after them has seen every one
+    assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 1}
+                       ).status_code == 200
+    refused = CONNECTOR.refused[before:]
+    assert [p.remote_engine_id for p in refused] == ["p"] * 3
 
 
 def test_prompt_too_long(client, server):

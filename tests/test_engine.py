@@ -61,6 +61,7 @@ class LocalCopyConnector:
         self.params: dict[str, dict[str, Any]] = {}
         self.finished: list[str] = []
         self.events: list[tuple[str, str]] = []
+        self.refused: list = []
         self.num_steps = 0
 
     def num_remote_tokens(self, request_id, prompt_ids, kv_transfer_params) -> int:
@@ -82,6 +83,9 @@ class LocalCopyConnector:
 
     def has_pending(self) -> bool:
         return False
+
+    def on_refused(self, kv_transfer_params) -> None:
+        self.refused.append(kv_transfer_params)
 
     def update(self, worker_outputs) -> ConnectorUpdate:
         self.num_steps += 1

@@ -6,7 +6,8 @@ fixed points. ``NullConnector`` is what an engine without KV transfer uses.
 Scheduler side (head process, one instance):
     ``num_remote_tokens`` when a request arrives; ``on_blocks_allocated`` once
     its blocks exist; ``build_worker_meta`` before every step; ``update`` with
-    every worker's output after it; ``on_finished`` when a request ends.
+    every worker's output after it; ``on_finished`` when a request ends;
+    ``on_refused`` when the API refused a request that named remote KV.
 
 Worker side (one instance per TP worker process):
     ``register_kv_cache`` once at start; ``handshake_metadata`` when the head
@@ -53,6 +54,10 @@ class SchedulerConnector(Protocol):
     def update(self, worker_outputs: list[Any | None]) -> ConnectorUpdate:
         """Fold one step's per-worker outputs; a worker may report ``None``."""
 
+    def on_refused(self, kv_transfer_params: KVTransferParams) -> None:
+        """A request carrying these params was refused before it ran: tell the instance
+        that holds its KV that nobody will read it (best effort)."""
+
     def has_pending(self) -> bool:
         """The connector awaits news from the workers with no request in flight (e.g. a
         handshake started ahead of time): the engine keeps stepping while True."""
@@ -93,6 +98,9 @@ class NullConnector:
 
     def update(self, worker_outputs) -> ConnectorUpdate:
         return ConnectorUpdate()
+
+    def on_refused(self, kv_transfer_params) -> None:
+        pass
 
     def has_pending(self) -> bool:
         return False

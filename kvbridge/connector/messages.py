@@ -42,6 +42,8 @@ class PeerSpec:
 class WorkerMeta:
     loads: list[LoadSpec] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    # (remote engine id, remote request id) whose held blocks nobody here will read
+    releases: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -58,6 +60,15 @@ class WorkerOutput:
 
     def empty(self) -> bool:
         return not (self.loaded or self.failed or self.notified or self.handshakes)
+
+
+# A note with this decode rank says "nobody will read this request's blocks": the decode
+# refused the request, or its load failed and is over. Prefills of older versions ignore it.
+RELEASE_RANK = -1
+
+
+def encode_release(remote_request_id: str) -> bytes:
+    return encode_notif(remote_request_id, RELEASE_RANK, 0)
 
 
 def encode_notif(remote_request_id: str, tp_rank: int, tp_size: int) -> bytes:

@@ -21,7 +21,13 @@ from typing import Any
 from kvbridge.config import DEFAULT_LEASE_SECONDS, METHODS, SideChannelConfig
 from kvbridge.connector.aggregator import LoadAggregator, SendAggregator
 from kvbridge.connector.base import ConnectorUpdate
-from kvbridge.connector.messages import LoadSpec, PeerSpec, WorkerMeta, WorkerOutput
+from kvbridge.connector.messages import (
+    RELEASE_RANK,
+    LoadSpec,
+    PeerSpec,
+    WorkerMeta,
+    WorkerOutput,
+)
 from kvbridge.errors import (
     ConfigError,
     FailureKind,
@@ -65,6 +71,7 @@ class NixlSchedulerConnector:
         self._want: dict[str, tuple[KVTransferParams, int, float]] = {}
         self._new_loads: list[LoadSpec] = []
         self._cancelled: list[str] = []
+        self._releases: list[tuple[str, str]] = []  # decode: holds to give back unread
         self._load_started: dict[str, float] = {}
         self._load_blocks: dict[str, int] = {}
         self._refused: dict[str, LoadFailure] = {}        # loads failed before reaching workers
@@ -135,6 +142,8 @@ class NixlSchedulerConnector:
             return engine_id in self._prewarms
 
     def has_pending(self) -> bool:
+        if self._releases:
+            return True  # one step sends them
         with self._prewarm_lock:
             now = time.monotonic()
             for eid in [e for e, (_, t) in self._prewarms.items() if t < now]:
@@ -205,9 +214,13 @@ class NixlSchedulerConnector:
             remote_port=p.remote_port, remote_tp_size=p.tp_size or 1,
             remote_epoch=p.remote_epoch, method=method, fence_seconds=fence)
 
+    def on_refused(self, params: KVTransferParams) -> None:
+        if params.loads_remote_kv and params.remote_engine_id and params.remote_request_id:
+            self._releases.append((params.remote_engine_id, params.remote_request_id))
+
     def build_worker_meta(self) -> WorkerMeta:
-        meta = WorkerMeta(self._new_loads, self._cancelled)
-        self._new_loads, self._cancelled = [], []
+        meta = WorkerMeta(self._new_loads, self._cancelled, self._releases)
+        self._new_loads, self._cancelled, self._releases = [], [], []
         return meta
 
     def update(self, worker_outputs: list[Any | None]) -> ConnectorUpdate:
@@ -227,7 +240,13 @@ class NixlSchedulerConnector:
             for rid, err in self._loads.fold(wo.loaded, wo.failed).items():
                 out.loaded[rid] = err
                 self._record_load(rid, err)
-            done = self._sends.fold(wo.tp_rank, wo.notified, self._leases)
+            for remote_rid, _, _ in [n for n in wo.notified if n[1] == RELEASE_RANK]:
+                if remote_rid in self._leases:  # a decode will not read it
+                    self._sends.forget(remote_rid)
+                    out.released.add(self._release(remote_rid))
+                    self.metrics.held_released.labels("abandoned").inc()
+            done = self._sends.fold(wo.tp_rank, [n for n in wo.notified if n[1] != RELEASE_RANK],
+                                    self._leases)
             for remote_rid in done:
                 out.released.add(self._release(remote_rid))
                 self.metrics.held_released.labels("read").inc()

@@ -24,6 +24,7 @@ from kvbridge.connector.messages import (
     WorkerOutput,
     decode_notif,
     encode_notif,
+    encode_release,
 )
 from kvbridge.errors import (
     FailureKind,
@@ -103,6 +104,8 @@ class NixlWorkerConnector:
                     load.failure = load.failure or LoadFailure(FailureKind.ABORTED, "cancelled")
             for spec in meta.loads:
                 self._start(spec)
+            for engine_id, remote_rid in meta.releases:
+                self._send_release(engine_id, remote_rid)
         for rid, load in list(self._loads.items()):
             try:
                 ended = self._advance(load)
@@ -120,6 +123,8 @@ class NixlWorkerConnector:
                 out.loaded.append(rid)
             else:
                 out.failed[rid] = load.failure
+                # Every READ of it is over: the prefill need not hold the blocks any longer.
+                self._send_release(load.spec.remote_engine_id, load.spec.remote_request_id)
         self._invalidate_idle_stale_peers()
         out.handshakes = [(e.engine_id, e.method, e.seconds, e.outcome)
                           for e in self.peers.drain_events()]
@@ -231,6 +236,19 @@ class NixlWorkerConnector:
             return LoadFailure(FailureKind.TRANSFER, f"READ from {spec.remote_engine_id} not "
                                f"done in {self.spec.transfer_timeout:g}s")
         return None
+
+    def _send_release(self, engine_id: str, remote_request_id: str) -> None:
+        """Tell a prefill we will not read a request's blocks, over NIXL, when we have a
+        working connection to it; otherwise its lease frees them."""
+        assert self.agent is not None and self.peers is not None
+        peer = self.peers.cached(engine_id)
+        if peer is None or engine_id in self._stale:
+            return
+        remote = next(iter(peer.ranks.values()))
+        try:
+            self.agent.send_notification(remote, encode_release(remote_request_id))
+        except KVBridgeError as e:
+            log.debug("release of %s on %s not sent: %s", remote_request_id, engine_id, e)
 
     def _abort_reads(self, load: _Load) -> bool:
         """Cancel the load's READs still in flight; True once none is left. One NIXL cannot

@@ -102,6 +102,11 @@ class AsyncEngine:
             self._streams[request_id] = None
         self._commands.put(("abort", request_id))
 
+    def refused(self, kv_transfer_params: KVTransferParams) -> None:
+        """A request with these params was refused before it reached the engine: the
+        connector tells the instance holding its KV (``SchedulerConnector.on_refused``)."""
+        self._commands.put(("refused", kv_transfer_params))
+
     def wake(self) -> None:
         """Make an idle loop look for work again (e.g. the connector now awaits workers)."""
         self._commands.put(("wake",))
@@ -165,6 +170,8 @@ class AsyncEngine:
                     self._deliver_to(request_id, e, last=True)
             elif cmd[0] == "abort":
                 self.engine.abort_request(cmd[1])
+            elif cmd[0] == "refused":
+                self.engine.connector.on_refused(cmd[1])
             # "wake": nothing to do; the loop re-checks for pending work
             try:
                 cmd = self._commands.get_nowait()

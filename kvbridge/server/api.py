@@ -151,6 +151,27 @@ class _API:
 
     async def completions(self, request: Request) -> Response:
         req = _parse(await request.body(), chat=False)
+        with self._refusing(req):
+            return await self._completions(request, req)
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = _parse(await request.body(), chat=True)
+        with self._refusing(req):
+            return await self._chat_completions(request, req)
+
+    @contextlib.contextmanager
+    def _refusing(self, req: _Common) -> Iterator[None]:
+        """A request refused with a 4xx after a prefill computed its KV: say so, so the
+        prefill frees its blocks now rather than at the end of their lease."""
+        try:
+            yield
+        except RequestError as e:
+            params = req.kv_transfer_params
+            if e.status < 500 and params is not None and params.loads_remote_kv:
+                self.engine.refused(params)
+            raise
+
+    async def _completions(self, request: Request, req: CompletionRequest) -> Response:
         self._check_model(req.model)
         prompt_ids = self._prompt_ids(req.prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None \
@@ -158,8 +179,7 @@ class _API:
         sampling = _sampling(req, max_tokens, "max_tokens")
         return await self._respond(request, req, prompt_ids, sampling, "prompt", chat=False)
 
-    async def chat_completions(self, request: Request) -> Response:
-        req = _parse(await request.body(), chat=True)
+    async def _chat_completions(self, request: Request, req: ChatCompletionRequest) -> Response:
         self._check_model(req.model)
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         try:

@@ -242,3 +242,26 @@ def test_a_prefill_killed_mid_read(tcp_decodes, certs, token_file, serve_log_dir
         assert "KV load failed" in r.json()["error"]["message"]
     _wait(lambda: d.metric("kvbridge_blocks_free") == free, 10, "the decode's blocks")
     assert _ask(d, PROMPTS[2], None).status_code == 200  # and it keeps serving
+
+
+def test_a_decode_that_refuses_a_request_gives_the_prefill_its_blocks_back(cluster, reference):
+    """A client speaking vLLM's protocol (no kvbridge proxy) sends the decode a request it
+    refuses: the decode tells the prefill over NIXL that nobody will read the blocks."""
+    p, d = cluster["p2-zmq"], cluster["d2"]
+    prompt = PROMPTS[1]
+    # a first request: the decode handshakes with this prefill (and reads)
+    assert complete(d.url, prompt, verify=d.verify,
+                    kv_transfer_params=_prefill_params(p, prompt)) == reference[prompt]
+    _wait(lambda: p.metric("kvbridge_held_requests") == 0, 10, "the first READ's release")
+    start = p.metric("kvbridge_blocks_free")
+    abandoned = p.metric('kvbridge_held_requests_released_total{why="abandoned"}')
+    for bad in ({"max_tokens": -1}, {"max_tokens": 100_000}, {"model": "not-this-one"}):
+        params = _prefill_params(p, prompt)
+        assert p.metric("kvbridge_blocks_free") < start
+        r = httpx.post(d.url + "/v1/completions", verify=d.verify, timeout=60, json={
+            "model": "kvbridge-tiny", "prompt": prompt, "temperature": 0, **bad,
+            "kv_transfer_params": params})
+        assert r.status_code in (400, 404), r.text
+        _wait(lambda: p.metric("kvbridge_blocks_free") == start, 10,
+              "the prefill's blocks (its lease is 30 s)")
+    assert p.metric('kvbridge_held_requests_released_total{why="abandoned"}') == abandoned + 3
