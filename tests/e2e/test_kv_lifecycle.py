@@ -34,11 +34,13 @@ def _release(p: Serve, params: dict, token: str) -> httpx.Response:
                       headers={"authorization": f"Bearer {token}"})
 
 
-def _wait(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
+def _wait(cond, timeout: float, what: str) -> float:
+    """Poll ``cond`` until true (bounded); returns how long it took."""
+    t0 = time.monotonic()
     while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+        assert time.monotonic() < t0 + timeout, f"timed out waiting for {what}"
+        time.sleep(0.01)
+    return time.monotonic() - t0
 
 
 # -- coverage: short and long block lists ----------------------------------------------------
@@ -117,8 +119,9 @@ def test_refused_requests_leave_nothing_held(cluster, small_prefill, certs, toke
             assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
             r = httpx.post(dead_proxy.url + "/v1/completions", json={**body, "max_tokens": 4})
             assert r.status_code == 502
-            _wait(lambda: p.metric("kvbridge_blocks_free") == start, 10,
-                  "the prefill's blocks after refused requests (the lease is 30 s)")
+            took = _wait(lambda: p.metric("kvbridge_blocks_free") == start, 10,
+                         "the prefill's blocks after refused requests (the lease is 30 s)")
+            print(f"prefill blocks back {1000 * took:.0f} ms after the answers (via proxy)")
         t0 = time.monotonic()
         r = httpx.post(proxy.url + "/v1/completions", json={**body, "max_tokens": 4}, timeout=60)
         elapsed = time.monotonic() - t0
@@ -262,6 +265,7 @@ def test_a_decode_that_refuses_a_request_gives_the_prefill_its_blocks_back(clust
             "model": "kvbridge-tiny", "prompt": prompt, "temperature": 0, **bad,
             "kv_transfer_params": params})
         assert r.status_code in (400, 404), r.text
-        _wait(lambda: p.metric("kvbridge_blocks_free") == start, 10,
-              "the prefill's blocks (its lease is 30 s)")
+        took = _wait(lambda: p.metric("kvbridge_blocks_free") == start, 10,
+                     "the prefill's blocks (its lease is 30 s)")
+        print(f"prefill blocks back {1000 * took:.0f} ms after the decode refused {bad}")
     assert p.metric('kvbridge_held_requests_released_total{why="abandoned"}') == abandoned + 3
