@@ -8,6 +8,8 @@ import sys
 import threading
 from typing import Any
 
+from kvbridge.errors import ConfigError
+
 
 def nixl_api():
     # The wheel is published as nixl-cu12 (module nixl_cu12); plain `nixl` on other builds.
@@ -25,10 +27,23 @@ def nixl_api():
     return _api
 
 
+
+def _progress_delay_us() -> int:
+    raw = os.environ.get("KVBRIDGE_NIXL_PROGRESS_DELAY_US", "") or "1000"
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"KVBRIDGE_NIXL_PROGRESS_DELAY_US={raw!r}: expected a whole number "
+                          "of microseconds >= 0 (0: NIXL's default, a busy-polling thread)")
+    return value
+
+
 # Microseconds NIXL's progress thread sleeps between polls. nixl's Python wrapper
 # hard-codes 0, so every agent's thread spins a whole core even when idle; 1 ms costs
 # little latency here (READs between processes are driven by the initiator).
-PROGRESS_DELAY_US = int(os.environ.get("KVBRIDGE_NIXL_PROGRESS_DELAY_US", "1000"))
+PROGRESS_DELAY_US = _progress_delay_us()
 _agent_lock = threading.Lock()
 
 

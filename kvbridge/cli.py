@@ -17,11 +17,13 @@ from kvbridge.config import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_NUM_BLOCKS,
     DEFAULT_TRANSFER_TIMEOUT,
+    SIDE_CHANNEL_PORT_SETTING,
     SideChannelConfig,
     TLSConfig,
     parse_cert_reqs,
 )
 from kvbridge.errors import ConfigError
+from kvbridge.net import bind_socket, check_port_free
 
 
 def _side_channel_flags(p: argparse.ArgumentParser) -> None:
@@ -141,8 +143,18 @@ def _bench(args: argparse.Namespace) -> int:
     result = mod.run(args)
     path = report.write(args.benchmark, result, Path(args.out))
     png = path.with_suffix(".png")
-    mod.plot(result, png)
     print(mod.summary(result))
+    try:
+        mod.plot(result, png)
+    except ImportError as e:
+        if (e.name or "").partition(".")[0] != "matplotlib":
+            raise
+        # The measurement is kept; only the picture is missing.
+        print(f"wrote {path}", flush=True)
+        print(f"kvbridge bench {args.benchmark}: no plot: matplotlib is not installed "
+              f"(pip install 'kvbridge[bench]'; make venv installs it); {path} was written",
+              file=sys.stderr)
+        return 2
     print(f"wrote {path} and {png}")
     return 0
 
@@ -164,7 +176,15 @@ def _serve(args: argparse.Namespace) -> int:
     if args.side_channel_ssl_keyfile and not own_cert:
         raise ConfigError("--side-channel-ssl-keyfile needs --side-channel-ssl-certfile")
     side = SideChannelConfig.load(flags)
+    _check_serve_sizes(args)
+    if args.role in ("prefill", "both"):
+        check_port_free(side.side_channel_host, side.side_channel_port,
+                        SIDE_CHANNEL_PORT_SETTING)
+    # Bound now, served once the engine is up: until then connections are refused.
+    api_sock = bind_socket(args.host, args.port, "--port")
+    api_port = api_sock.getsockname()[1]  # --port 0: the one the OS chose
     # Settings first, heavy imports (torch) after: a bad flag is reported at once.
+    from kvbridge._nixl import PROGRESS_DELAY_US
     from kvbridge.server.api import run_server
     from kvbridge.server.instance import Instance, InstanceOptions
 
@@ -177,20 +197,27 @@ def _serve(args: argparse.Namespace) -> int:
         kv_peers=args.kv_peer)
     _print_settings("serve", [f"role={opts.role}", f"tp={opts.tp_size}",
                               f"model={opts.model or 'built-in tiny'}", f"dtype={opts.dtype}",
-                              f"api=https://{args.host}:{args.port}" if api_tls.enabled
-                              else f"api=http://{args.host}:{args.port}",
+                              f"api=https://{args.host}:{api_port}" if api_tls.enabled
+                              else f"api=http://{args.host}:{api_port}",
                               f"kv_load_failure_policy={opts.kv_load_failure_policy}",
+                              f"nixl_progress_delay_us={PROGRESS_DELAY_US}",
                               *side.describe()])
-    inst = Instance(opts)
+    try:
+        inst = Instance(opts)
+    except BaseException:
+        api_sock.close()
+        raise
     try:
         if inst.side_channel_port is not None:
             print(f"kvbridge serve: side channel {side.handshake_method} on "
                   f"{side.side_channel_host}:{inst.side_channel_port} "
                   f"(advertised {side.advertised}), engine {inst.engine_id}", file=sys.stderr,
                   flush=True)
-        run_server(inst.app, args.host, args.port, ssl_certfile=api_tls.certfile,
+        print(f"kvbridge serve: API on {'https' if api_tls.enabled else 'http'}://{args.host}:"
+              f"{api_port}", file=sys.stderr, flush=True)
+        run_server(inst.app, args.host, api_port, ssl_certfile=api_tls.certfile,
                    ssl_keyfile=api_tls.keyfile, ssl_ca_certs=api_tls.ca_certs,
-                   ssl_cert_reqs=api_tls.cert_reqs, log_level=args.log_level)
+                   ssl_cert_reqs=api_tls.cert_reqs, log_level=args.log_level, sock=api_sock)
         # The API is closed (SIGTERM/SIGINT): no new requests. Blocks held for decodes
         # stay readable, with the side channel up, until read or their leases end.
         held = inst.connector.num_held
@@ -205,10 +232,28 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_serve_sizes(args: argparse.Namespace) -> None:
+    for flag, value in (("--tp", args.tp), ("--num-blocks", args.num_blocks),
+                        ("--block-size", args.block_size)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    for flag, value in (("--kv-lease-seconds", args.kv_lease_seconds),
+                        ("--transfer-timeout", args.transfer_timeout)):
+        if not 0 < value < float("inf"):
+            raise ConfigError(f"{flag} must be a positive number of seconds, got {value}")
+    for peer in args.kv_peer:
+        host, _, port = peer.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ConfigError(f"--kv-peer {peer!r}: expected HOST:PORT")
+
+
 def _proxy(args: argparse.Namespace) -> int:
     from kvbridge.server.proxy import run_proxy
 
+    if not 0 < args.timeout < float("inf"):
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     token = SideChannelConfig.load({"token_file": args.kv_token_file}).token
+    check_port_free(args.host, args.port, "--port")
     run_proxy(args.prefill, args.decode, host=args.host, port=args.port, ca_certs=args.ca_certs,
               client_cert=tuple(args.client_cert) if args.client_cert else None,
               timeout=args.timeout, log_level=args.log_level, prewarm=args.prewarm,

@@ -42,6 +42,9 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "max_message_bytes": ("KVBRIDGE_MAX_MESSAGE_BYTES",),
 }
 
+# How a port-in-use error names the side-channel port setting.
+SIDE_CHANNEL_PORT_SETTING = "--side-channel-port / KVBRIDGE_SIDE_CHANNEL_PORT"
+
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED,
               "0": ssl.CERT_NONE, "1": ssl.CERT_OPTIONAL, "2": ssl.CERT_REQUIRED}
 

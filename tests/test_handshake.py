@@ -27,6 +27,7 @@ from kvbridge.config import SideChannelConfig, TLSConfig
 from kvbridge.errors import (
     AuthError,
     CompatibilityError,
+    ConfigError,
     HandshakeError,
     HandshakeTimeout,
     WireFormatError,
@@ -184,6 +185,20 @@ def test_make_server_and_client_from_settings(certs, clients, method):
             assert client.fetch(HOST, server.port) == [rank_meta(0), rank_meta(1)]
         finally:
             client.close()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_make_server_on_a_port_in_use_is_a_config_error(method):
+    """The bind itself (not only the CLI's early check) names the port and its setting."""
+    with socket.socket() as busy:
+        busy.bind((HOST, 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        config = SideChannelConfig.load({"handshake_method": method, "side_channel_port": port},
+                                        environ={})
+        with pytest.raises(ConfigError, match=f"port {port} on {HOST} is already in use.*"
+                           "--side-channel-port / KVBRIDGE_SIDE_CHANNEL_PORT"):
+            make_server(config, full_store(1))
 
 
 def test_http_server_stops_with_idle_tls_clients_connected(certs, clients):

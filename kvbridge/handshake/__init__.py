@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 
-from kvbridge.config import SideChannelConfig
+from zmq import ZMQError  # not `import zmq`: the submodule .zmq would shadow it
+
+from kvbridge.config import SIDE_CHANNEL_PORT_SETTING, SideChannelConfig
 from kvbridge.handshake.base import HandshakeClient, HandshakeServer, MetadataStore, Observer
 from kvbridge.handshake.http import HttpHandshakeClient, HttpHandshakeServer
 from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer
 from kvbridge.metadata import Compat
+from kvbridge.net import bind_error
 
 log = logging.getLogger(__name__)
 
@@ -17,16 +20,22 @@ __all__ = ["HandshakeClient", "HandshakeServer", "MetadataStore", "make_client",
 
 def make_server(config: SideChannelConfig, store: MetadataStore,
                 port: int | None = None, observer: Observer | None = None) -> HandshakeServer:
-    """The side-channel server for ``config.handshake_method`` (not started)."""
+    """The side-channel server for ``config.handshake_method`` (not started).
+
+    A port that cannot be bound (in use, foreign address) raises ``ConfigError``.
+    """
     port = config.side_channel_port if port is None else port
-    if config.handshake_method == "http":
-        return HttpHandshakeServer(store, config.side_channel_host, port, token=config.token,
-                                   tls=config.tls, observer=observer)
-    if config.tls.enabled:
-        log.warning("TLS settings do not apply to the zmq side channel: metadata and token "
-                    "travel in clear (use --handshake http for TLS)")
-    return ZmqHandshakeServer(store, config.side_channel_host, port, token=config.token,
-                              observer=observer)
+    try:
+        if config.handshake_method == "http":
+            return HttpHandshakeServer(store, config.side_channel_host, port,
+                                       token=config.token, tls=config.tls, observer=observer)
+        if config.tls.enabled:
+            log.warning("TLS settings do not apply to the zmq side channel: metadata and token "
+                        "travel in clear (use --handshake http for TLS)")
+        return ZmqHandshakeServer(store, config.side_channel_host, port, token=config.token,
+                                  observer=observer)
+    except (OSError, ZMQError) as e:
+        raise bind_error(config.side_channel_host, port, SIDE_CHANNEL_PORT_SETTING, e) from None
 
 
 def make_client(config: SideChannelConfig, expected: Compat | None,

@@ -422,12 +422,13 @@ class _Server(uvicorn.Server):
 def run_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, *,
                ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
                ssl_ca_certs: str | None = None, ssl_cert_reqs: int = ssl.CERT_NONE,
-               log_level: str = "info") -> None:
+               log_level: str = "info", sock: socket.socket | None = None) -> None:
     """Serve ``app`` with uvicorn until SIGINT/SIGTERM, then return (HTTPS when
-    ``ssl_certfile`` is set)."""
+    ``ssl_certfile`` is set). ``sock``: already bound to ``host:port`` (uvicorn listens)."""
     _Server(uvicorn.Config(app, host=host, port=port, ssl_certfile=ssl_certfile,
                            ssl_keyfile=ssl_keyfile, ssl_ca_certs=ssl_ca_certs,
-                           ssl_cert_reqs=ssl_cert_reqs, log_level=log_level)).run()
+                           ssl_cert_reqs=ssl_cert_reqs, log_level=log_level)).run(
+        sockets=None if sock is None else [sock])
 
 
 class BackgroundServer:

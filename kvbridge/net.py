@@ -1,0 +1,51 @@
+"""Binding listening ports: a port in use is a configuration error that names its setting."""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+from kvbridge.errors import ConfigError
+
+
+def bind_error(host: str, port: int, setting: str, err: BaseException) -> ConfigError:
+    """The one-line ``ConfigError`` for a failed bind of ``host:port`` (``setting`` names
+    the flag / environment variable that chose the port)."""
+    code = getattr(err, "errno", None)
+    if code == errno.EADDRINUSE:
+        return ConfigError(f"port {port} on {host} is already in use: choose another with "
+                           f"{setting} (0 picks a free one)")
+    if code == errno.EADDRNOTAVAIL:
+        return ConfigError(f"cannot bind {host}:{port} ({setting}): {host} is not an "
+                           "address of this machine")
+    reason = getattr(err, "strerror", None) or str(err)
+    return ConfigError(f"cannot bind {host}:{port} ({setting}): {reason}")
+
+
+def bind_socket(host: str, port: int, setting: str) -> socket.socket:
+    """A TCP socket bound to ``host:port``, not yet listening (so connections are refused
+    until a server takes it over and listens)."""
+    try:
+        family = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                    flags=socket.AI_PASSIVE)[0][0]
+    except socket.gaierror as e:
+        raise ConfigError(f"cannot resolve {host!r} ({setting}): {e.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    # As uvicorn and the side channel do: a port left in TIME_WAIT is not "in use".
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except (OSError, OverflowError) as e:  # OverflowError: a port beyond 65535
+        sock.close()
+        raise bind_error(host, port, setting, e) from None
+    return sock
+
+
+def check_port_free(host: str, port: int, setting: str) -> None:
+    """Fail early, before anything slow starts, when ``host:port`` cannot be bound.
+
+    The server binds again later and reports the same error if the port was taken
+    meanwhile; this check only spares the user a long start-up before it.
+    """
+    if port != 0:
+        bind_socket(host, port, setting).close()
