@@ -113,3 +113,24 @@ def test_serve(tmp_path):
     for o in d["pd_over_mono"]:
         _positive(o["ttft_p50"], o["itl_p50"], o["tokens_per_s"])
     _goals(d)
+
+
+# matplotlib made unimportable in the CLI's process (None in sys.modules stops an import).
+_NO_MATPLOTLIB = ("import sys; sys.modules['matplotlib'] = None; "
+                  "from kvbridge.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def test_without_matplotlib_the_json_is_still_written(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_MATPLOTLIB, "bench", "transfer", "--quick", "--out",
+         str(tmp_path)], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    # the benchmark's own progress lines ("[bench ...]"), then one line about the plot
+    lines = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("[bench ")]
+    assert len(lines) == 1 and "matplotlib is not installed" in lines[0], proc.stderr[-3000:]
+    assert "kvbridge[bench]" in lines[0]
+    data = json.loads((tmp_path / "transfer.json").read_text())
+    assert data["benchmark"] == "transfer" and data["results"]
+    assert not (tmp_path / "transfer.png").exists()
