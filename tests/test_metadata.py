@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import textwrap
+from pathlib import Path
+
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +19,7 @@ from kvbridge.errors import (
 from kvbridge.metadata import (
     SCHEMA_VERSION,
     Compat,
+    KVLayout,
     RankMetadata,
     compat_hash,
     compat_of,
@@ -262,6 +266,61 @@ def test_every_problem_reported_together():
         _decode_one(r)
     msg = str(ei.value)
     assert "rank 5" in msg and "outside" in msg and "base addresses" in msg and "dtype" in msg
+
+
+@pytest.mark.parametrize(("total_kv_heads", "tp_size", "per_rank"), [
+    (4, 1, 4), (4, 2, 2), (4, 4, 1),
+    (2, 4, 1), (1, 8, 1),  # GQA with fewer KV heads than ranks: each rank holds one copy
+])
+def test_heads_per_rank_for_each_tp_size(total_kv_heads, tp_size, per_rank):
+    """Exactly ``per_rank`` heads are accepted; one more or one fewer is refused."""
+    c = compat(total_kv_heads=total_kv_heads)
+
+    def rank(heads: int) -> RankMetadata:
+        kv = layout(tp_size, total_kv_heads=total_kv_heads, kv_heads_per_rank=heads,
+                    block_len=heads * 4 * 16 * 2)  # block_size 4, head_dim 16, float16
+        return rank_meta(0, tp_size, kv=kv)
+
+    assert decode_envelope(encode_envelope(c, [rank(per_rank)]), c) == [rank(per_rank)]
+    for wrong in (per_rank - 1, per_rank + 1):
+        with pytest.raises(WireFormatError, match=f"expected {per_rank}|non-positive"):
+            decode_envelope(encode_envelope(c, [rank(wrong)]), c)
+
+
+# --- the golden wire vector -------------------------------------------------------------------
+# Fixed metadata and the exact bytes it is sent as. Reordering, renaming, adding or removing a
+# field of the schema changes these bytes (or the compat hash): then bump SCHEMA_VERSION, so a
+# peer on the old schema is refused by version instead of misread, and record the new vector.
+
+GOLDEN = Path(__file__).parent / "data" / f"envelope-v{SCHEMA_VERSION}.hex"
+# schema version -> compat_hash of the golden Compat
+GOLDEN_COMPAT_HASH = {1: "f388ffd792931fc8217605661472e38f70c5995efed6acf51573c23a29849042"}
+
+
+def _golden_rank() -> tuple[Compat, RankMetadata]:
+    kv = KVLayout(num_layers=2, num_blocks=8, block_size=4, total_kv_heads=4,
+                  kv_heads_per_rank=2, head_dim=16, dtype="float16", layout="HND",
+                  base_addrs=[0x7F00_0000_0000 + i * 0x1_0000 for i in range(4)], block_len=256)
+    compat_ = Compat(schema_version=SCHEMA_VERSION, model="golden-model", dtype="float16",
+                     total_kv_heads=4, head_dim=16, num_layers=2, layout="HND", block_size=4)
+    return compat_, RankMetadata(engine_id="golden-engine", epoch="epoch-1", tp_rank=1,
+                                 tp_size=2, agent_name="agent-golden-r1",
+                                 agent_metadata=b"NIXLMD\x00\x01\xfe\xff", kv=kv)
+
+
+def test_golden_wire_vector():
+    compat_, rank = _golden_rank()
+    data = encode_envelope(compat_, [rank])
+    assert GOLDEN.exists(), (
+        f"no golden vector for schema v{SCHEMA_VERSION}: record it in {GOLDEN}:\n"
+        + "\n".join(textwrap.wrap(data.hex(), 64)))
+    golden = bytes.fromhex(GOLDEN.read_text())
+    assert compat_hash(compat_) == GOLDEN_COMPAT_HASH.get(SCHEMA_VERSION), (
+        f"the Compat schema changed: bump SCHEMA_VERSION and record {compat_hash(compat_)}")
+    assert data == golden, "the wire bytes changed: bump SCHEMA_VERSION and record the new " \
+        "vector:\n" + "\n".join(textwrap.wrap(data.hex(), 64))
+    # and the recorded bytes still decode to the same metadata
+    assert decode_envelope(golden, compat_) == [rank]
 
 
 # --- fuzzing ----------------------------------------------------------------------------------
