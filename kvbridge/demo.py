@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import ssl
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -56,7 +57,8 @@ def _start(procs: list[KVBridgeProcess], tmp: Path, name: str, *args: str) -> KV
     return p
 
 
-def _wait_prewarmed(p: KVBridgeProcess, url: str, client: httpx.Client) -> None:
+def _wait_prewarmed(p: KVBridgeProcess, url: str, client: httpx.Client) -> bool:
+    """Wait for the proxy's prewarm; True when every (decode, prefill) pair succeeded."""
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         status = client.get(url, timeout=5).json()
@@ -64,7 +66,7 @@ def _wait_prewarmed(p: KVBridgeProcess, url: str, client: httpx.Client) -> None:
             for pair in status["pairs"]:
                 if pair["outcome"] != "ok":
                     print(f"  prewarm {pair['decode']} -> {pair['prefill']}: {pair['outcome']}")
-            return
+            return all(pair["outcome"] == "ok" for pair in status["pairs"])
         time.sleep(0.1)
     raise RuntimeError(f"{p.name}: prewarm not done after {START_TIMEOUT:g}s:\n{p.tail()}")
 
@@ -115,7 +117,7 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 24, decode_tp: 
                            str(tmp / "token"))
             proxy.wait_healthy(f"http://127.0.0.1:{xp}/health", time.monotonic() + START_TIMEOUT)
             # The proxy has the decode handshake with the prefill before any request.
-            _wait_prewarmed(proxy, f"http://127.0.0.1:{xp}/v1/kv/prewarm", client)
+            prewarmed = _wait_prewarmed(proxy, f"http://127.0.0.1:{xp}/v1/kv/prewarm", client)
             d_url = f"https://127.0.0.1:{dp}"
             hs = read_metric(client, d_url, "kvbridge_handshake_seconds_sum") * 1000
             n = read_metric(client, d_url, "kvbridge_handshake_seconds_count")
@@ -133,20 +135,40 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 24, decode_tp: 
                 print(f"[{i}] {prompt!r}\n    -> {text!r}", flush=True)
                 rows.append((i, ttft, delta, text == local))
             _print_table(rows)
-    return 0 if all(row[3] for row in rows) else 1
+    # A demo that recomputed (or could not prewarm) shows nothing of the transfer: fail.
+    problems = [] if prewarmed else ["the decode could not handshake ahead (prewarm failed)"]
+    problems += [f"prompt {i}: {why}" for i, _, d, same in rows
+                 for why in _row_problems(d, same)]
+    for why in problems:
+        print(f"kvbridge demo: FAILED: {why}", file=sys.stderr)
+    return 1 if problems else 0
 
 
+_LOADED = 'kvbridge_kv_loads_total{outcome="ok"}'
+_FAILED = 'kvbridge_kv_loads_total{outcome="failed"}'
 _COLUMNS = ("kvbridge_handshake_seconds_sum", "kvbridge_kv_bytes_loaded_total",
-            "kvbridge_kv_load_seconds_sum", "kvbridge_kv_loads_total")
+            "kvbridge_kv_load_seconds_sum", _LOADED, _FAILED)
+
+
+def _row_problems(d: dict[str, float], same: bool) -> list[str]:
+    out = []
+    if d[_LOADED] != 1 or d[_FAILED] != 0:
+        out.append(f"the KV was not read ({d[_FAILED]:.0f} failed load(s), recomputed)")
+    if not same:
+        out.append("the answer differs from the decode's own computation")
+    return out
 
 
 def _print_table(rows: list[tuple[int, float, dict[str, float], bool]]) -> None:
-    print("\n  #  TTFT (ms)  handshake (ms)  KV moved (KiB)  transfer (ms)  = local")
+    print("\n  #  TTFT (ms)  handshake (ms)  KV moved (KiB)  transfer (ms)  KV read  = local")
     for i, ttft, d, same in rows:
         hs = d["kvbridge_handshake_seconds_sum"] * 1000
+        read = d[_LOADED] == 1 and d[_FAILED] == 0
         print(f"{i:>3} {ttft * 1000:>10.1f} {hs:>15.1f} "
               f"{d['kvbridge_kv_bytes_loaded_total'] / 1024:>15.1f} "
-              f"{d['kvbridge_kv_load_seconds_sum'] * 1000:>14.1f}  {'yes' if same else 'NO'}")
+              f"{d['kvbridge_kv_load_seconds_sum'] * 1000:>14.1f}  {'yes' if read else 'NO':>7}"
+              f"  {'yes' if same else 'NO'}")
     print("\nhandshake: during the request, summed over decode ranks (0 when done ahead);"
           "\ntransfer: from blocks allocated on decode to KV arrived on every rank;"
+          "\nKV read: the decode loaded the prompt's KV from the prefill (NO: it recomputed);"
           "\n= local: the answer equals the decode's own, computed without transferred KV.")
