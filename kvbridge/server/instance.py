@@ -205,11 +205,18 @@ class Instance:
             return _error(401, "missing or invalid bearer token (the side-channel token)")
         try:
             body = await request.json()
-            host, port = str(body["host"]), int(body["port"])
+            host, port = body["host"], body["port"]
             method = body.get("method")
-            wait = bool(body.get("wait", False))
-        except (ValueError, KeyError, TypeError) as e:
-            return _error(400, f"expected JSON {{host, port, method?}}: {e}")
+            wait = body.get("wait", False)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return _error(400, f"expected JSON {{host, port, method?, wait?}}: {e!r}")
+        # Strict, as kv_transfer_params are: no coercion of "25600" or 25600.9 or true.
+        if not isinstance(host, str) or not host:
+            return _error(400, f"host must be a non-empty string, got {host!r}")
+        if type(port) is not int or not 0 < port <= 65535:
+            return _error(400, f"port must be an integer in 1..65535, got {port!r}")
+        if not (method is None or isinstance(method, str)) or not isinstance(wait, bool):
+            return _error(400, "method must be a string and wait a boolean")
         try:
             spec = await run_in_threadpool(self.prewarm, host, port, method, wait)
         except KVBridgeError as e:
