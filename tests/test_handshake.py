@@ -13,6 +13,7 @@ import socket
 import ssl
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -338,6 +339,52 @@ def test_plaintext_client_against_tls_server(servers, clients):
     err, elapsed = _elapsed(lambda: client.fetch(HOST, servers["http"].port))
     assert isinstance(err, HandshakeError) and not isinstance(err, HandshakeTimeout), err
     assert "TLS" in str(err)
+    assert elapsed < client.timeout
+
+
+def _tls11_context(side: int, certs: Path) -> ssl.SSLContext:
+    """A context that speaks at most TLS 1.1 (security level 0, or OpenSSL 3 would not)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # TLSVersion.TLSv1_1 itself
+        ctx = ssl.SSLContext(side)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_1
+    ctx.set_ciphers("DEFAULT:@SECLEVEL=0")
+    if side == ssl.PROTOCOL_TLS_SERVER:
+        ctx.load_cert_chain(str(certs / "prefill.pem"), str(certs / "prefill.key"))
+    else:
+        ctx.load_verify_locations(str(certs / "ca.pem"))
+    return ctx
+
+
+def test_side_channel_refuses_a_tls_1_1_client(servers, certs):
+    """The TLS 1.2 floor (configuration.md, TLS): an older client gets no handshake.
+
+    Python's own server default is TLS 1.2 as well, so this checks the behaviour; it
+    would not notice the explicit floor alone being removed."""
+    ctx = _tls11_context(ssl.PROTOCOL_TLS_CLIENT, certs)
+    with socket.create_connection((HOST, servers["http"].port), timeout=10) as raw:
+        # asyncio's server alerts or just closes the connection; either way no session
+        with pytest.raises(ssl.SSLError, match="PROTOCOL_VERSION|UNSUPPORTED_PROTOCOL|EOF"):
+            ctx.wrap_socket(raw, server_hostname=HOST)
+    # while a TLS 1.2+ client of the same server is answered
+    with _raw_client(certs) as http:
+        r = http.get(_url(servers["http"], PATH), headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200
+
+
+def test_client_refuses_a_tls_1_1_server(clients, certs):
+    ctx = _tls11_context(ssl.PROTOCOL_TLS_SERVER, certs)
+
+    def tls11(conn: socket.socket) -> None:
+        with contextlib.suppress(ssl.SSLError), ctx.wrap_socket(conn, server_side=True) as s:
+            s.recv(1)  # never reached: the client refuses the protocol version
+
+    with RawServer(tls11) as srv:
+        client = clients("http", certs)
+        err, elapsed = _elapsed(lambda: client.fetch(HOST, srv.port))
+    assert isinstance(err, HandshakeError) and not isinstance(err, HandshakeTimeout), err
+    assert "TLS" in str(err) and "version" in str(err).lower(), err
     assert elapsed < client.timeout
 
 
