@@ -16,8 +16,6 @@ import pytest
 from tests.e2e.conftest import PROMPTS, Serve
 from tests.e2e.conftest import complete as _complete
 
-pytestmark = pytest.mark.slow
-
 HANDSHAKES = "kvbridge_handshake_seconds_count"
 
 
