@@ -52,7 +52,7 @@ TOKEN = "hs-token-5b2d0e"
 HOST = "127.0.0.1"
 METHODS = ["http", "zmq"]
 TIMEOUT = 0.5  # for the tests that wait for a timeout
-MARGIN = 1.5
+MARGIN = 3.0  # seconds: holds on a loaded 2-core machine
 pack = msgspec.msgpack.encode
 
 
@@ -831,7 +831,8 @@ def test_http_reply_trickled_byte_by_byte_is_cut_at_the_deadline(trickle):
         elapsed = time.monotonic() - t0
         release.set()
         client.close()
-    assert elapsed < 1.0 + 0.5
+    # unbounded, the reply would take minutes (1000 bytes at 0.9 s, or 0.3 s, each)
+    assert elapsed < 1.0 + MARGIN
 
 
 @pytest.mark.parametrize("method", ["http", "zmq"])

@@ -352,13 +352,14 @@ def test_dead_prefill_is_502_naming_it(serve: Serve) -> None:
     (decode,) = _engines(serve, "decode", 1)
     dead = FakeEngine("p0", "prefill")
     dead.url = _closed_port_url()
-    with _proxy(serve, [dead], [decode]) as client:
+    # a refused connection is reported at once, not after the connect timeout
+    with _proxy(serve, [dead], [decode], connect_timeout=30.0) as client:
         start = time.monotonic()
         r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
         elapsed = time.monotonic() - start
     assert r.status_code == 502
     assert dead.url in r.json()["error"]["message"]
-    assert elapsed < 2.0
+    assert elapsed < 5.0
     assert decode.calls == []
 
 
@@ -375,7 +376,7 @@ def test_slow_prefill_times_out_with_504(serve: Serve) -> None:
         prefill.hold.set()
     assert r.status_code == 504
     assert prefill.url in r.json()["error"]["message"]
-    assert elapsed < 3.0
+    assert elapsed < 0.5 + 3.0  # the timeout plus a margin for a loaded machine
     assert decode.calls == []
 
 
