@@ -26,10 +26,13 @@ def bind_socket(host: str, port: int, setting: str) -> socket.socket:
     """A TCP socket bound to ``host:port``, not yet listening (so connections are refused
     until a server takes it over and listens)."""
     try:
-        family = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
-                                    flags=socket.AI_PASSIVE)[0][0]
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
-        raise ConfigError(f"cannot resolve {host!r} ({setting}): {e.strerror}") from None
+        raise ConfigError(f"cannot resolve the host {host!r} to bind: {e.strerror}") from None
+    # One socket: for a name with both families ("localhost") IPv4, which every client tries.
+    families = [info[0] for info in infos]
+    family = socket.AF_INET if socket.AF_INET in families else families[0]
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     # As uvicorn and the side channel do: a port left in TIME_WAIT is not "in use".
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
