@@ -177,6 +177,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError("--side-channel-ssl-keyfile needs --side-channel-ssl-certfile")
     side = SideChannelConfig.load(flags)
     _check_serve_sizes(args)
+    from kvbridge._nixl import PROGRESS_DELAY_US  # checks KVBRIDGE_NIXL_PROGRESS_DELAY_US
+
     if args.role in ("prefill", "both"):
         check_port_free(side.side_channel_host, side.side_channel_port,
                         SIDE_CHANNEL_PORT_SETTING)
@@ -184,7 +186,6 @@ def _serve(args: argparse.Namespace) -> int:
     api_sock = bind_socket(args.host, args.port, "--port")
     api_port = api_sock.getsockname()[1]  # --port 0: the one the OS chose
     # Settings first, heavy imports (torch) after: a bad flag is reported at once.
-    from kvbridge._nixl import PROGRESS_DELAY_US
     from kvbridge.server.api import run_server
     from kvbridge.server.instance import Instance, InstanceOptions
 

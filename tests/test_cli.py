@@ -123,6 +123,6 @@ def test_proxy_refuses_a_negative_timeout():
 
 
 def test_serve_refuses_a_bad_progress_delay():
-    out = _kvbridge("serve", "--side-channel-port", "0",
+    out = _kvbridge("serve", "--side-channel-port", "0", "--port", "0",
                     env={"KVBRIDGE_NIXL_PROGRESS_DELAY_US": "fast"})
     _one_line_exit_2(out, "KVBRIDGE_NIXL_PROGRESS_DELAY_US")
