@@ -171,3 +171,7 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
                code: str | int | None = None) -> dict[str, Any]:
     """OpenAI's error shape, used by every server kvbridge runs."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class NodeError(KVBridgeError, RuntimeError):
+    """A node of a multi-node instance did not join in time, or is gone."""

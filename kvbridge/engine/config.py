@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from kvbridge.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS
+from kvbridge.engine.distributed import MultiNodeConfig
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
@@ -22,6 +23,8 @@ class EngineConfig:
     (threads only add overhead there) and ``cpu_count // tp_size`` otherwise.
     ``max_model_len``: None means the model's ``max_position_embeddings``,
     capped by what the KV cache can hold.
+    ``multinode``: the TP group spans nodes (``kvbridge.engine.distributed``);
+    this process runs the head node's ranks.
     """
 
     model: str | None = None
@@ -35,6 +38,7 @@ class EngineConfig:
     kv_load_failure_policy: str = "recompute"
     seed: int = 0
     worker_processes: bool | None = None
+    multinode: MultiNodeConfig | None = None
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -49,6 +53,11 @@ class EngineConfig:
                              f"of {KV_LOAD_FAILURE_POLICIES}")
         if self.worker_processes is False and self.tp_size > 1:
             raise ValueError("tp_size > 1 needs worker processes")
+        if self.multinode is not None:
+            self.multinode.check(self.tp_size)
+            if self.multinode.node_rank != 0:
+                raise ValueError("an engine runs on the head node (node rank 0); other "
+                                 "nodes run kvbridge.engine.workers.run_node")
 
     @property
     def uses_worker_processes(self) -> bool:

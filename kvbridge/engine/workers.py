@@ -17,12 +17,22 @@ the head process and calls it directly.
 Children exit when told to, when the head's end of the pipe closes, or when
 the head process disappears (a watchdog thread polls for it).
 
+An instance that spans nodes (``config.multinode``, see
+``kvbridge.engine.distributed``): the head forks only its own node's ranks and
+they join the group at ``master_addr:master_port``; the other nodes run
+``run_node`` (``kvbridge serve --headless``). Rank 0 relays each call to the
+remote ranks with object collectives and answers for all of them; it sends
+them the head's ``EngineConfig`` and connector factory first, so every rank
+runs the same engine, engine id and epoch.
+
 As with ``spawn``/``forkserver`` multiprocessing in general, a script that builds an
 engine with worker processes must guard its entry point with ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -31,17 +41,20 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from kvbridge.engine import distributed
 from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.distributed import MultiNodeConfig
 from kvbridge.engine.model_runner import ModelRunner, WorkerConnectorFactory
-from kvbridge.errors import WorkerDiedError, WorkerError
+from kvbridge.errors import NodeError, WorkerDiedError, WorkerError
 
 logger = logging.getLogger(__name__)
 
-_SHUTDOWN = "__shutdown__"
+_SHUTDOWN = distributed.SHUTDOWN
 # After one rank fails, how long the others get to answer before the group is declared
 # broken (a rank that failed before an all-reduce leaves the others blocked in it).
 _FAILURE_GRACE_S = 10.0
@@ -58,32 +71,44 @@ class WorkerGroup:
         self._procs: list[mp.process.BaseProcess] = []
         self._conns: list[Connection] = []
         self._closed = False
+        mn = config.multinode if config.multinode and config.multinode.nnodes > 1 else None
+        # The address of the node each rank lives on (None: this host, one node).
+        self.rank_hosts: list[str | None] = [None] * config.tp_size
         if not config.uses_worker_processes:
             self._local = ModelRunner(config, 0, 1, connector_factory)
             return
         ctx = mp.get_context("forkserver")
         # The fork server imports torch once; each worker is then a cheap fork of it.
         ctx.set_forkserver_preload(["kvbridge.engine.model_runner"])
-        port = _free_port()
-        for rank in range(config.tp_size):
+        rendezvous: int | MultiNodeConfig = _free_port() if mn is None else mn
+        local_ranks = range(config.tp_size) if mn is None else mn.local_ranks(config.tp_size)
+        for rank in local_ranks:
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, name=f"kvbridge-tp{rank}", daemon=True,
-                               args=(child_end, config, rank, port, connector_factory,
+                               args=(child_end, config, rank, rendezvous, connector_factory,
                                      os.getpid()))
             proc.start()
             child_end.close()  # so the head sees EOF if the child dies
             self._procs.append(proc)
             self._conns.append(parent_end)
         try:
-            self._gather()  # each child reports once its model and cache are ready
+            ready = self._gather()  # each child reports once its model and cache are ready
         except BaseException:
             self.shutdown()
             raise
+        if mn is not None:
+            k = mn.ranks_per_node(config.tp_size)
+            self.rank_hosts = [mn.host] * k + list(ready[k:])
 
     @property
     def pids(self) -> list[int]:
         """Worker process ids (empty when the worker runs in-process)."""
         return [p.pid for p in self._procs]
+
+    @property
+    def alive(self) -> bool:
+        """Every local worker process runs (rank 0 exits when a remote node is gone)."""
+        return not self._closed and all(p.is_alive() for p in self._procs)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """Call ``ModelRunner.<method>(*args)`` on every rank; results in rank order.
@@ -104,7 +129,10 @@ class WorkerGroup:
             return self._gather()
 
     def _gather(self) -> list[Any]:
-        """One reply from every rank; raises if any failed or died."""
+        """One reply from every rank; raises if any failed or died.
+
+        Rank 0 of a multi-node instance answers for the remote ranks too ("multi").
+        """
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         pending = dict(enumerate(self._conns))
@@ -126,14 +154,22 @@ class WorkerGroup:
                         raise WorkerDiedError(f"TP worker {rank} died (exit code "
                                               f"{self._procs[rank].exitcode})") from None
                     del pending[rank]
-                    if status == "ok":
-                        results[rank] = value
-                    else:
-                        errors[rank] = value
-                        deadline = deadline or time.monotonic() + _FAILURE_GRACE_S
+                    if status == "died":  # rank 0: a remote node is gone
+                        self._kill()
+                        raise WorkerDiedError(value)
+                    replies = ([(rank, status, value)] if status != "multi" else
+                               [(r, s, v) for r, (s, v) in
+                                zip([0, *range(len(self._conns), self.tp_size)], value,
+                                    strict=True)])
+                    for r, s, v in replies:
+                        if s == "ok":
+                            results[r] = v
+                        else:
+                            errors[r] = v
+                            deadline = deadline or time.monotonic() + _FAILURE_GRACE_S
         if errors:
             raise WorkerError(_join(errors))
-        return [results[r] for r in range(len(self._conns))]
+        return [results[r] for r in range(self.tp_size)]
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:
@@ -201,49 +237,199 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
-def _worker_main(conn: Connection, config: EngineConfig, rank: int, port: int,
-                 connector_factory: WorkerConnectorFactory, head_pid: int) -> None:
+def _worker_main(conn: Connection, config: EngineConfig, rank: int,
+                 rendezvous: int | MultiNodeConfig, connector_factory: WorkerConnectorFactory,
+                 head_pid: int) -> None:
     import torch.distributed as dist
 
     threading.Thread(target=_watch_head, args=(head_pid,), daemon=True).start()
-    # Every rank is on this host: keep gloo off interfaces the hostname may resolve to.
-    if "lo" in {name for _, name in socket.if_nameindex()}:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     runner = None
+    control = None
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=config.tp_size, timeout=_GLOO_TIMEOUT)
-        runner = ModelRunner(config, rank, config.tp_size, connector_factory)
-        conn.send(("ok", None))
-        while True:
-            try:
-                method, args = conn.recv()
-            except (EOFError, OSError):
-                break  # the head is gone
-            if method == _SHUTDOWN:
-                break
-            try:
-                reply = ("ok", _resolve(runner, method)(*args))
-            except Exception:
-                reply = ("error", traceback.format_exc())
-            try:
-                conn.send(reply)
-            except OSError:
-                break
-            except Exception:  # the result does not pickle
-                conn.send(("error", traceback.format_exc()))
+        if isinstance(rendezvous, int):
+            # Every rank is on this host: keep gloo off interfaces the hostname may resolve to.
+            if "lo" in {name for _, name in socket.if_nameindex()}:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{rendezvous}",
+                                    rank=rank, world_size=config.tp_size,
+                                    timeout=_GLOO_TIMEOUT)
+        else:
+            control = distributed.init_rank(rendezvous, rank, config.tp_size, _GLOO_TIMEOUT)
+            if rank != 0:
+                control = None  # only rank 0 of the head node talks to the remote ranks
+            else:
+                distributed.broadcast_command(control, (config, connector_factory))
+        try:
+            runner = ModelRunner(config, rank, config.tp_size, connector_factory)
+        finally:
+            if control is not None:  # the remote ranks report their start-up (host or error)
+                started = distributed.gather_replies(control, ("ok", None), 0)
+        ready: tuple[str, Any] = ("ok", None)
+        if control is not None:  # answer for the remote ranks: each one's host, or error
+            ready = ("multi", started)
+        conn.send(ready)
+        _serve_pipe(conn, runner, control)
     except Exception:
         try:
             conn.send(("error", traceback.format_exc()))
         except OSError:
             pass
     finally:
-        if runner is not None:
-            runner.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        # Skip interpreter teardown: everything is released above, and torch's
-        # finalisation would add about half a second to every engine shutdown.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit(runner)
+
+
+def _serve_pipe(conn: Connection, runner: ModelRunner, control: Any) -> None:
+    """The command loop of a head-node rank; rank 0 of a multi-node instance relays."""
+    while True:
+        if control is not None and not conn.poll(distributed.HEARTBEAT_S):
+            try:  # idle: make sure the other nodes are still there (and they, that we are)
+                distributed.call_everywhere(control, distributed.PING, (), lambda: ("ok", None))
+            except NodeError as e:
+                conn.send(("died", str(e)))
+                return
+            continue
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):
+            return  # the head is gone
+        if method == _SHUTDOWN:
+            if control is not None:
+                try:
+                    distributed.broadcast_command(control, (_SHUTDOWN, ()))
+                except Exception:  # already gone: nothing to tell
+                    pass
+            return
+        reply: tuple[str, Any]
+        if control is None:
+            reply = _run(runner, method, args)
+        else:
+            try:
+                reply = ("multi", distributed.call_everywhere(
+                    control, method, args, functools.partial(_run, runner, method, args)))
+            except NodeError as e:
+                conn.send(("died", str(e)))
+                return
+        try:
+            conn.send(reply)
+        except OSError:
+            return
+        except Exception:  # the result does not pickle
+            conn.send(("error", traceback.format_exc()))
+
+
+def _run(runner: ModelRunner, method: str, args: tuple) -> tuple[str, Any]:
+    try:
+        return ("ok", _resolve(runner, method)(*args))
+    except Exception:
+        return ("error", traceback.format_exc())
+
+
+def _exit(runner: ModelRunner | None) -> None:
+    import torch.distributed as dist
+
+    if runner is not None:
+        runner.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    # Skip interpreter teardown: everything is released above, and torch's
+    # finalisation would add about half a second to every engine shutdown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# -- the other nodes of a multi-node instance (``kvbridge serve --headless``) ----------------
+
+NodeLocalizer = Callable[[WorkerConnectorFactory], WorkerConnectorFactory]
+
+
+def run_node(mn: MultiNodeConfig, tp_size: int, localize: NodeLocalizer | None = None,
+             on_ready: Callable[[list[int]], None] | None = None) -> int:
+    """Run this node's ranks until the head shuts them down (0) or is gone (1).
+
+    ``localize`` adapts the head's connector factory to this node (e.g. its own
+    certificate paths); ``on_ready`` is called once every local rank has joined.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["kvbridge.engine.model_runner"])
+    procs: list[mp.process.BaseProcess] = []
+    conns: list[Connection] = []
+    ranks = mn.local_ranks(tp_size)
+    try:
+        for rank in ranks:
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(target=_remote_main, name=f"kvbridge-tp{rank}", daemon=True,
+                               args=(child_end, mn, rank, tp_size, localize, os.getpid()))
+            proc.start()
+            child_end.close()
+            procs.append(proc)
+            conns.append(parent_end)
+        failures = []
+        for rank, conn, proc in zip(ranks, conns, procs, strict=True):
+            try:
+                status, value = conn.recv()  # each rank bounds its own wait (node_timeout)
+            except (EOFError, OSError):
+                status, value = "error", f"rank {rank} exited ({proc.exitcode})"
+            if status != "ok":
+                failures.append(str(value).strip().splitlines()[-1])
+        if failures:
+            logger.error("node %d could not join: %s", mn.node_rank, "; ".join(failures))
+            return 1
+        if on_ready is not None:
+            on_ready(ranks)
+        wait([p.sentinel for p in procs])
+        # One rank ended: the head shut the instance down (all exit 0) or a peer is gone.
+        deadline = time.monotonic() + 10
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        codes = [p.exitcode for p in procs]
+        for conn in conns:
+            if conn.poll():
+                with contextlib.suppress(EOFError, OSError):
+                    logger.error("%s", conn.recv()[1])
+        return 0 if codes == [0] * len(procs) else 1
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        for conn in conns:
+            conn.close()
+
+
+def _remote_main(conn: Connection, mn: MultiNodeConfig, rank: int, tp_size: int,
+                 localize: NodeLocalizer | None, head_pid: int) -> None:
+    threading.Thread(target=_watch_head, args=(head_pid,), daemon=True).start()
+    runner = None
+    code = 0
+    try:
+        control = distributed.init_rank(mn, rank, tp_size, _GLOO_TIMEOUT)
+        config, factory = distributed.broadcast_command(control, None)
+        started: tuple[str, Any]
+        try:
+            if config.tp_size != tp_size:
+                raise NodeError(f"the head runs --tp {config.tp_size}, this node --tp {tp_size}")
+            runner = ModelRunner(config, rank, tp_size,
+                                 factory if localize is None else localize(factory))
+            started = ("ok", mn.host)
+        except Exception:
+            started = ("error", traceback.format_exc())
+        distributed.gather_replies(control, started, rank)
+        conn.send(started)
+        if runner is None:
+            code = 1
+            return
+        distributed.serve_remote(control, rank, lambda m, a: _resolve(runner, m)(*a))
+    except Exception as e:
+        code = 1
+        with contextlib.suppress(OSError):
+            conn.send(("error", str(e) if isinstance(e, NodeError) else traceback.format_exc()))
+    finally:
+        if code:
+            # The group may be broken: skip destroy_process_group, which could block.
+            if runner is not None:
+                runner.close()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _exit(runner)
