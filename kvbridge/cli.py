@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -15,9 +16,11 @@ from kvbridge import __version__
 from kvbridge.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_LEASE_SECONDS,
+    DEFAULT_NODE_TIMEOUT,
     DEFAULT_NUM_BLOCKS,
     DEFAULT_TRANSFER_TIMEOUT,
     SIDE_CHANNEL_PORT_SETTING,
+    MultiNodeConfig,
     SideChannelConfig,
     TLSConfig,
     parse_cert_reqs,
@@ -42,6 +45,41 @@ def _side_channel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--side-channel-ssl-keyfile")
     g.add_argument("--side-channel-ssl-ca-certs")
     g.add_argument("--side-channel-ssl-cert-reqs")
+
+
+def _multinode_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-node instance (vLLM's names; env: KVBRIDGE_NNODES, ...)")
+    env = os.environ.get
+    g.add_argument("--nnodes", type=int, default=int(env("KVBRIDGE_NNODES", "1")),
+                   help="nodes this instance spans; each holds --tp / --nnodes ranks")
+    g.add_argument("--node-rank", type=int, default=int(env("KVBRIDGE_NODE_RANK", "0")),
+                   help="this node's index: 0 is the head (API, scheduler, side channel)")
+    g.add_argument("--master-addr", default=env("KVBRIDGE_MASTER_ADDR"),
+                   help="the head node's address (torch.distributed rendezvous)")
+    g.add_argument("--master-port", type=int, default=int(env("KVBRIDGE_MASTER_PORT", "29500")),
+                   help="rendezvous port on the head node (default 29500)")
+    g.add_argument("--headless", action="store_true",
+                   help="node rank > 0: run this node's ranks only (no API, no side channel)")
+    g.add_argument("--node-timeout", type=float,
+                   default=float(env("KVBRIDGE_NODE_TIMEOUT", str(DEFAULT_NODE_TIMEOUT))),
+                   help="seconds to wait for every node to join (default "
+                   f"{DEFAULT_NODE_TIMEOUT:g})")
+
+
+def _multinode(args: argparse.Namespace, side: SideChannelConfig) -> MultiNodeConfig | None:
+    """The multi-node settings, refused with one clear line when inconsistent."""
+    if args.nnodes == 1 and not args.headless and args.node_rank == 0:
+        return None
+    if args.headless != (args.node_rank > 0):
+        raise ConfigError("--headless goes with --node-rank > 0 (node 0 is the head, which "
+                          "serves the API and the side channel)")
+    if args.master_addr is None:
+        raise ConfigError("--nnodes > 1 needs --master-addr (the head node's address)")
+    mn = MultiNodeConfig(nnodes=args.nnodes, node_rank=args.node_rank,
+                         master_addr=args.master_addr, master_port=args.master_port,
+                         host=side.advertised, node_timeout=args.node_timeout)
+    mn.check(args.tp)
+    return mn
 
 
 def _tls_flags(p: argparse.ArgumentParser, what: str) -> None:
@@ -78,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
                    "(repeatable), so the first request pays no handshake")
     s.add_argument("--transfer-timeout", type=float, default=DEFAULT_TRANSFER_TIMEOUT,
                    help="decode: seconds a started READ may take")
+    _multinode_flags(s)
     _side_channel_flags(s)
     _tls_flags(s, "API server (the side channel uses them too unless given its own)")
 
@@ -176,6 +215,16 @@ def _serve(args: argparse.Namespace) -> int:
     if args.side_channel_ssl_keyfile and not own_cert:
         raise ConfigError("--side-channel-ssl-keyfile needs --side-channel-ssl-certfile")
     side = SideChannelConfig.load(flags)
+    mn = _multinode(args, side)
+    nodes = ([] if mn is None else
+             [f"nnodes={mn.nnodes}", f"node_rank={mn.node_rank}",
+              f"master={mn.master_addr}:{mn.master_port}", f"node_host={mn.host}",
+              f"node_timeout={mn.node_timeout:g}s"])
+    if mn is not None and mn.node_rank > 0:
+        from kvbridge.server.node import serve_node
+
+        _print_settings("serve", ["headless", f"tp={args.tp}", *nodes, *side.describe()])
+        return serve_node(mn, args.tp, side)
     _check_serve_sizes(args)
     from kvbridge._nixl import PROGRESS_DELAY_US  # checks KVBRIDGE_NIXL_PROGRESS_DELAY_US
 
@@ -195,14 +244,14 @@ def _serve(args: argparse.Namespace) -> int:
         kv_load_failure_policy=args.kv_load_failure_policy, lease_seconds=args.kv_lease_seconds,
         transfer_timeout=args.transfer_timeout, engine_id=args.engine_id,
         served_model_name=args.served_model_name, side_channel=side, api_tls=api_tls,
-        kv_peers=args.kv_peer)
+        kv_peers=args.kv_peer, multinode=mn)
     _print_settings("serve", [f"role={opts.role}", f"tp={opts.tp_size}",
                               f"model={opts.model or 'built-in tiny'}", f"dtype={opts.dtype}",
                               f"api=https://{args.host}:{api_port}" if api_tls.enabled
                               else f"api=http://{args.host}:{api_port}",
                               f"kv_load_failure_policy={opts.kv_load_failure_policy}",
                               f"nixl_progress_delay_us={PROGRESS_DELAY_US}",
-                              *side.describe()])
+                              *nodes, *side.describe()])
     try:
         inst = Instance(opts)
     except BaseException:

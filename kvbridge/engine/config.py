@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kvbridge.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS
-from kvbridge.engine.distributed import MultiNodeConfig
+from kvbridge.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS, MultiNodeConfig
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 

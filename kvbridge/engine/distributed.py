@@ -24,65 +24,17 @@ import socket
 import struct
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from kvbridge.errors import ConfigError, NodeError
+from kvbridge.config import MultiNodeConfig
+from kvbridge.errors import NodeError
+
+__all__ = ["MultiNodeConfig", "call_everywhere", "init_rank", "interface_of", "serve_remote"]
 
 PING = "__ping__"
 SHUTDOWN = "__shutdown__"
 HEARTBEAT_S = 2.0
-DEFAULT_NODE_TIMEOUT = 120.0
-
-
-@dataclass(frozen=True)
-class MultiNodeConfig:
-    """Where this node sits in a multi-node instance (vLLM's flag names).
-
-    ``host``: this node's address as other nodes and peers reach it (its
-    ``--advertise-host``); gloo binds the interface that owns it.
-    ``node_timeout``: seconds to wait for every node to join (and for a silent
-    peer before it is declared gone).
-    """
-
-    nnodes: int
-    node_rank: int
-    master_addr: str
-    master_port: int
-    host: str
-    node_timeout: float = DEFAULT_NODE_TIMEOUT
-
-    def check(self, tp_size: int) -> None:
-        """Refuse a layout that cannot work, with one line saying what to change."""
-        if self.nnodes < 1:
-            raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
-        if tp_size % self.nnodes:
-            raise ConfigError(f"--tp {tp_size} is not a multiple of --nnodes {self.nnodes}: "
-                              "every node must hold the same number of ranks")
-        if not 0 < self.master_port < 65536:
-            raise ConfigError(f"--master-port {self.master_port} out of range")
-        if not self.master_addr:
-            raise ConfigError("--master-addr is required with --nnodes > 1")
-        if not 0 < self.node_timeout <= 3600:
-            raise ConfigError(f"--node-timeout must be in (0, 3600] seconds, got "
-                              f"{self.node_timeout}")
-        if _is_wildcard(self.host):
-            raise ConfigError(f"advertising the wildcard address {self.host!r} tells other "
-                              "nodes nothing: set --advertise-host to this node's address")
-
-    def ranks_per_node(self, tp_size: int) -> int:
-        return tp_size // self.nnodes
-
-    def local_ranks(self, tp_size: int) -> list[int]:
-        k = self.ranks_per_node(tp_size)
-        return list(range(self.node_rank * k, self.node_rank * k + k))
-
-    def remote_ranks(self, tp_size: int) -> list[int]:
-        """Ranks outside the head node: those reached through the control group."""
-        return list(range(self.ranks_per_node(tp_size), tp_size))
 
 
 def init_rank(cfg: MultiNodeConfig, rank: int, world_size: int,
@@ -207,9 +159,3 @@ def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
-
-def _is_wildcard(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_unspecified
-    except ValueError:
-        return False

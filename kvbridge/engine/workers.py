@@ -46,9 +46,9 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from kvbridge.config import MultiNodeConfig
 from kvbridge.engine import distributed
 from kvbridge.engine.config import EngineConfig
-from kvbridge.engine.distributed import MultiNodeConfig
 from kvbridge.engine.model_runner import ModelRunner, WorkerConnectorFactory
 from kvbridge.errors import NodeError, WorkerDiedError, WorkerError
 

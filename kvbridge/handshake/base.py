@@ -58,6 +58,11 @@ class MetadataStore:
     def __init__(self, compat: Compat, tp_size: int):
         self.compat = compat
         self.tp_size = tp_size
+        # Where each rank lives (multi-node instances): shown in the JSON view only.
+        self.rank_hosts: dict[int, str] = {}
+        # None while the instance can serve, else why not (e.g. one of its nodes is gone):
+        # the side channel then answers 503 and is not ready.
+        self.health: Callable[[], str | None] | None = None
         self._ranks: dict[int, RankMetadata] = {}
         self._lock = threading.Lock()
         self._encoded: dict[int | None, bytes] = {}
@@ -73,9 +78,13 @@ class MetadataStore:
     @property
     def ready(self) -> bool:
         with self._lock:
-            return len(self._ranks) == self.tp_size
+            if len(self._ranks) != self.tp_size:
+                return False
+        return self.health is None or self.health() is None
 
     def reply(self, tp_rank: int | None) -> Reply:
+        if self.health is not None and (why := self.health()) is not None:
+            return Reply(503, error=f"not ready: {why}")
         with self._lock:
             if len(self._ranks) < self.tp_size:
                 return Reply(503, error=f"metadata of {len(self._ranks)}/{self.tp_size} "
@@ -92,7 +101,12 @@ class MetadataStore:
         with self._lock:
             ranks = ([self._ranks[tp_rank]] if tp_rank is not None
                      else [self._ranks[r] for r in sorted(self._ranks)])
-        return to_jsonable(ranks, self.compat)
+        view = to_jsonable(ranks, self.compat)
+        for rank in view["ranks"]:
+            host = self.rank_hosts.get(rank["tp_rank"])
+            if host is not None:
+                rank["host"] = host
+        return view
 
 
 def token_ok(expected: str | None, given: str | None) -> bool:

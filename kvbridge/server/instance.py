@@ -28,6 +28,7 @@ from kvbridge.config import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_NUM_BLOCKS,
     DEFAULT_TRANSFER_TIMEOUT,
+    MultiNodeConfig,
     SideChannelConfig,
     TLSConfig,
 )
@@ -66,6 +67,8 @@ class InstanceOptions:
     api_tls: TLSConfig = field(default_factory=TLSConfig)
     # decode: prefill side channels ("host:port") to handshake with at start-up
     kv_peers: list[str] = field(default_factory=list)
+    # the head of an instance that spans nodes (the others run ``kvbridge serve --headless``)
+    multinode: MultiNodeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -108,13 +111,18 @@ class Instance:
         engine = build_engine(opts.model, tp_size=opts.tp_size, dtype=opts.dtype,
                               num_blocks=opts.num_blocks, block_size=opts.block_size,
                               connector=self.connector, worker_connector_factory=factory,
-                              kv_load_failure_policy=opts.kv_load_failure_policy)
+                              kv_load_failure_policy=opts.kv_load_failure_policy,
+                              multinode=opts.multinode)
         try:
             metas = engine.collective_rpc("kv_handshake_metadata")
             self.compat = compat_of(identity, decode_rank(metas[0]).kv)
             self.connector.compat = self.compat
             if opts.role in ("prefill", "both"):
                 server = self.connector.start_side_channel(self.compat, metas)
+                assert self.connector.store is not None
+                self.connector.store.rank_hosts = {
+                    r: h for r, h in enumerate(engine.workers.rank_hosts) if h is not None}
+                self.connector.store.health = self._health
                 log.info("side channel (%s) on %s:%d, advertised as %s", server.method,
                          opts.side_channel.side_channel_host, server.port,
                          opts.side_channel.advertised)
@@ -136,6 +144,16 @@ class Instance:
             host, _, port = peer.rpartition(":")
             threading.Thread(target=self._prewarm_logged, args=(host.strip("[]"), int(port)),
                              name="kvbridge-prewarm", daemon=True).start()
+
+    def _health(self) -> str | None:
+        """Why this instance cannot serve KV now (None: it can)."""
+        if getattr(self, "engine", None) is None:
+            return "starting"
+        if not self.engine.is_running:
+            return f"engine is not running: {self.engine.dead_reason}"
+        if not self.engine.engine.workers.alive:
+            return "a TP worker of this instance (or the node it runs on) is gone"
+        return None
 
     @property
     def side_channel_port(self) -> int | None:
