@@ -25,7 +25,7 @@ from kvbridge.config import (
     TLSConfig,
     parse_cert_reqs,
 )
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, NodeError, WorkerError
 from kvbridge.net import bind_socket, check_port_free
 
 
@@ -254,8 +254,13 @@ def _serve(args: argparse.Namespace) -> int:
                               *nodes, *side.describe()])
     try:
         inst = Instance(opts)
-    except BaseException:
+    except BaseException as e:
         api_sock.close()
+        # Not every node came (within --node-timeout): one line, not a traceback.
+        if isinstance(e, NodeError) or (isinstance(e, WorkerError)
+                                        and "not every node" in str(e)):
+            print(f"kvbridge serve: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+            return 1
         raise
     try:
         if inst.side_channel_port is not None:

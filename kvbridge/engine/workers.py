@@ -269,11 +269,10 @@ def _worker_main(conn: Connection, config: EngineConfig, rank: int,
             ready = ("multi", started)
         conn.send(ready)
         _serve_pipe(conn, runner, control)
-    except Exception:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except OSError:
-            pass
+    except Exception as e:
+        # A node that never came is not a bug: one line, no traceback.
+        with contextlib.suppress(OSError):
+            conn.send(("error", str(e) if isinstance(e, NodeError) else traceback.format_exc()))
     finally:
         _exit(runner)
 

@@ -150,6 +150,16 @@ def test_greedy_output_equals_monolithic(cluster: Cluster, reference: dict[str, 
         >= len(PROMPTS)
 
 
+def test_figures(cluster: Cluster) -> None:
+    """The figures docs/multinode.md quotes (printed with ``-s``)."""
+    total, head = cluster.startup
+    hs_sum = cluster.client.metric(cluster.decode, "kvbridge_handshake_seconds_sum")
+    hs_count = cluster.client.metric(cluster.decode, "kvbridge_handshake_seconds_count")
+    assert hs_count >= 2  # each decode rank handshook with the two-node prefill
+    print(f"\ntwo-node prefill start-up: {total:.1f} s from node b's start, {head:.1f} s "
+          f"from the head's; decode handshakes: {hs_count:.0f}, mean {hs_sum / hs_count:.3f} s")
+
+
 def test_kv_of_node_b_crosses_node_b_interface(cluster: Cluster, net: Net) -> None:
     """The decode reads rank 1's half of the heads straight from host b: b's interface
     sends at least that many bytes, and host a neither receives nor sends them."""
