@@ -167,11 +167,11 @@ def failure_status(failure: LoadFailure) -> ErrorStatus:
     return ErrorStatus(502, "server_error", "request_failed")
 
 
+class NodeError(KVBridgeError, RuntimeError):
+    """A node of a multi-node instance did not join in time, or is gone."""
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
     """OpenAI's error shape, used by every server kvbridge runs."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-class NodeError(KVBridgeError, RuntimeError):
-    """A node of a multi-node instance did not join in time, or is gone."""
