@@ -114,11 +114,12 @@ class Net:
 
 @pytest.fixture(scope="module")
 def net(request: pytest.FixtureRequest) -> Iterator[Net]:
-    """Hosts a (prefill head), b (prefill's second node), c (decode, proxy, client)."""
+    """Hosts a (prefill head), b (prefill's second node), c (decodes, proxy, client),
+    d (a decode's second node)."""
     _require_root()
     n = Net(uuid.uuid4().hex[:6])
     request.addfinalizer(n.delete)  # registered before anything exists: runs on any outcome
-    n.build(["a", "b", "c"])
+    n.build(["a", "b", "c", "d"])
     yield n
 
 

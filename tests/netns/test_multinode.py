@@ -1,8 +1,9 @@
 """A prefill instance that spans two hosts, read by a decode on a third, on real interfaces.
 
 Host a: prefill head (TP ranks 0, API, scheduler, side channel). Host b: the
-prefill's second node (rank 1, ``--headless``). Host c: a TP 2 decode, the proxy
-and the client. The tests run in order and share these processes.
+prefill's second node (rank 1, ``--headless``). Host c: a TP 2 decode, a TP 1
+decode, the head of a TP 2 decode whose rank 1 runs on host d, the proxy and the
+client. The tests run in order and share these processes.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Cluster:
         self.side = f"https://{a.addr}:5600"
         self.decode = f"http://{c.addr}:8000"
         self.proxy = f"http://{c.addr}:8100"
+        self.decode_tp1 = f"http://{c.addr}:8001"
+        self.decode_nodes = f"http://{c.addr}:8002"
         self.token = (tls / "token").read_text()
         self.procs: dict[str, Proc] = {}
         self.client = Client(c, tls / "ca.pem", logs)
@@ -82,6 +85,19 @@ class Cluster:
                                "--side-channel-host", c.addr,
                                "--side-channel-ssl-ca-certs", str(tls / "ca.pem"),
                                "--side-channel-token-file", str(tls / "token"))
+        decode_common = ["serve", "--role", "decode", "--dtype", "float64",
+                         "--num-blocks", str(DECODE_BLOCKS), "--handshake", "zmq",
+                         "--side-channel-ssl-ca-certs", str(tls / "ca.pem"),
+                         "--side-channel-token-file", str(tls / "token")]
+        self.procs["c1"] = Proc(c, "decode-tp1", self.logs, *decode_common, "--tp", "1",
+                                "--host", c.addr, "--port", "8001", "--side-channel-host", c.addr)
+        # A decode across hosts c and d; d has its own copies of the CA bundle and token.
+        d = self.net.hosts["d"]
+        nodes = ["--tp", "2", "--nnodes", "2", "--master-addr", c.addr, "--master-port", "29501"]
+        self.procs["d"] = Proc(d, "decode-nodes-d", self.logs, *decode_common, *nodes,
+                               "--node-rank", "1", "--headless", "--advertise-host", d.addr)
+        self.procs["cn"] = Proc(c, "decode-nodes-c", self.logs, *decode_common, *nodes,
+                                "--host", c.addr, "--port", "8002", "--side-channel-host", c.addr)
         self.procs["proxy"] = Proc(c, "proxy", self.logs, "proxy", "--prefill", self.api,
                                    "--decode", self.decode, "--host", c.addr, "--port", "8100",
                                    "--ca-certs", str(tls / "ca.pem"),
@@ -91,6 +107,10 @@ class Cluster:
                                 [self.procs["c"]])
         self.client.wait_status(self.proxy + "/health", 200, deadline, "proxy",
                                 [self.procs["proxy"]])
+        self.client.wait_status(self.decode_tp1 + "/health", 200, deadline, "decode tp 1",
+                                [self.procs["c1"]])
+        self.client.wait_status(self.decode_nodes + "/health", 200, deadline, "decode on c+d",
+                                [self.procs["cn"], self.procs["d"]])
 
     def complete(self, url: str, prompt: str, max_tokens: int = MAX_TOKENS,
                  **extra) -> tuple[int, dict | str]:
@@ -185,6 +205,47 @@ def test_kv_of_node_b_crosses_node_b_interface(cluster: Cluster, net: Net) -> No
     assert b_tx >= from_b
     assert a_rx < from_b / 4, "host a received node b's KV: relayed"
     assert a_tx < from_b * 1.5, "host a sent more than its own half: relayed"
+
+
+def _two_hops(cluster: Cluster, decode: str, prompt: str, max_tokens: int = MAX_TOKENS
+              ) -> tuple[int, dict | str]:
+    """What the proxy does: a one-token prefill that holds its KV, then the decode."""
+    status, pre = cluster.complete(cluster.api, prompt, max_tokens=1,
+                                   kv_transfer_params={"do_remote_decode": True})
+    assert status == 200, pre
+    return cluster.complete(decode, prompt, max_tokens=max_tokens,
+                            kv_transfer_params=pre["kv_transfer_params"])
+
+
+def test_decode_tp1_and_a_decode_across_hosts(cluster: Cluster, net: Net,
+                                              reference: dict[str, str]) -> None:
+    """A TP 1 decode reads both halves; a TP 2 decode on hosts c and d reads each half
+    with the rank on its own host: d's rank takes b's half straight from b."""
+    for url in (cluster.decode_tp1, cluster.decode_nodes):
+        for prompt in PROMPTS:
+            status, body = _two_hops(cluster, url, prompt)
+            assert status == 200, body
+            assert body["choices"][0]["text"] == reference[prompt], (url, prompt)
+    b, c, d = net.hosts["b"], net.hosts["c"], net.hosts["d"]
+    prompt = "Host d reads from host b. " * 20
+    status, pre = cluster.complete(cluster.api, prompt, max_tokens=1,
+                                   kv_transfer_params={"do_remote_decode": True})
+    assert status == 200, pre
+    loaded0 = cluster.client.metric(cluster.decode_nodes, "kvbridge_kv_bytes_loaded_total")
+    before = {h: h.counter("rx_bytes") for h in (c, d)}
+    b_tx0 = b.counter("tx_bytes")
+    status, body = cluster.complete(cluster.decode_nodes, prompt, max_tokens=2,
+                                    kv_transfer_params=pre["kv_transfer_params"])
+    assert status == 200, body
+    d_rx, c_rx = (d.counter("rx_bytes") - before[d]), (c.counter("rx_bytes") - before[c])
+    b_tx = b.counter("tx_bytes") - b_tx0
+    half = (cluster.client.metric(cluster.decode_nodes, "kvbridge_kv_bytes_loaded_total")
+            - loaded0) / 2
+    print(f"decode across c+d: {2 * half:.0f} B loaded; host d received {d_rx} B, "
+          f"host c {c_rx} B, host b sent {b_tx} B")
+    assert half > 200_000
+    assert d_rx >= half and b_tx >= half
+    assert c_rx < half * 1.5, "host c received more than its own half: relayed"
 
 
 def test_killing_node_b_fails_cleanly(cluster: Cluster, reference: dict[str, str]) -> None:
