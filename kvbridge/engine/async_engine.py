@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 _STOP = ("stop",)
 
 
+_WORKERS_LOST = "a TP worker of this engine (or the node it runs on) is gone"
+
+
 class AsyncEngine:
     """Owns ``engine`` from now on: only the loop thread touches it (besides collective_rpc)."""
 
@@ -53,11 +56,14 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        # A lost worker (or node) counts at once, not only after the next step fails.
+        return self._dead is None and self._thread.is_alive() and self.engine.workers.alive
 
     @property
     def dead_reason(self) -> str | None:
-        return None if self._dead is None else str(self._dead) or type(self._dead).__name__
+        if self._dead is None:
+            return None if self.engine.workers.alive else _WORKERS_LOST
+        return str(self._dead) or type(self._dead).__name__
 
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
                       kv_transfer_params: KVTransferParams | None = None) -> None:

@@ -151,8 +151,6 @@ class Instance:
             return "starting"
         if not self.engine.is_running:
             return f"engine is not running: {self.engine.dead_reason}"
-        if not self.engine.engine.workers.alive:
-            return "a TP worker of this instance (or the node it runs on) is gone"
         return None
 
     @property

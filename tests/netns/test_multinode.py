@@ -265,6 +265,7 @@ def test_killing_node_b_fails_cleanly(cluster: Cluster, reference: dict[str, str
     assert status >= 500 and any(w in json.dumps(body) for w in ("gone", "died")), body
     deadline = time.monotonic() + 30
     cluster.client.wait_status(cluster.side + "/readyz", 503, deadline, "head unready")
+    cluster.client.wait_status(cluster.api + "/health", 503, deadline, "head API unhealthy")
     # The decode lost nothing: every block is free again, and it still serves.
     deadline = time.monotonic() + 60
     while cluster.client.metric(cluster.decode, "kvbridge_blocks_free") != DECODE_BLOCKS:
