@@ -47,7 +47,7 @@ def serve_node(mn: MultiNodeConfig, tp_size: int, side_channel: SideChannelConfi
               file=sys.stderr, flush=True)
 
     code = run_node(mn, tp_size, NodeLocal(side_channel), on_ready=ready)
-    if code:
-        print(f"kvbridge serve: node {mn.node_rank}: the instance is gone or never formed; "
-              "exiting", file=sys.stderr, flush=True)
+    print(f"kvbridge serve: node {mn.node_rank}: " +
+          ("the instance is gone or never formed; exiting" if code else
+           "the head shut the instance down; exiting"), file=sys.stderr, flush=True)
     return code
