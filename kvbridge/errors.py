@@ -81,14 +81,16 @@ class WorkerDiedError(KVBridgeError, RuntimeError):
     """A TP worker process exited or stopped answering; the engine cannot continue."""
 
 
+class NodeError(KVBridgeError, RuntimeError):
+    """A node of a multi-node instance did not join in time, or is gone."""
+
+
 class InvalidKVTransferParams(KVBridgeError, ValueError):
     """``kv_transfer_params`` that can never be served: wrong types, missing fields, blocks
     that do not fit the prompt, a peer other than the one named. The request's own fault:
     answered with a 400 naming ``param`` (always ``kv_transfer_params``), never recomputed."""
 
     param = "kv_transfer_params"
-
-
 
 
 class RequestError(KVBridgeError):
@@ -165,10 +167,6 @@ def failure_status(failure: LoadFailure) -> ErrorStatus:
     if failure.request_fault:
         return ErrorStatus(400, "invalid_request_error")
     return ErrorStatus(502, "server_error", "request_failed")
-
-
-class NodeError(KVBridgeError, RuntimeError):
-    """A node of a multi-node instance did not join in time, or is gone."""
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
