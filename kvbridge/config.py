@@ -172,6 +172,15 @@ def read_token_file(path: str) -> str:
     return text
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _is_wildcard(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_unspecified
@@ -244,6 +253,10 @@ class MultiNodeConfig:
         if not 0 < self.node_timeout <= 3600:
             raise ConfigError(f"--node-timeout must be in (0, 3600] seconds, got "
                               f"{self.node_timeout}")
+        if _is_loopback(self.host) and not _is_loopback(self.master_addr):
+            raise ConfigError(f"this node's address {self.host!r} is a loopback address but "
+                              f"the head is at {self.master_addr!r}: set --advertise-host to "
+                              "an address the other nodes reach this one at")
         if _is_wildcard(self.host):
             raise ConfigError(f"advertising the wildcard address {self.host!r} tells other "
                               "nodes nothing: set --advertise-host to this node's address")
