@@ -245,6 +245,7 @@ def _worker_main(conn: Connection, config: EngineConfig, rank: int,
     threading.Thread(target=_watch_head, args=(head_pid,), daemon=True).start()
     runner = None
     control = None
+    clean = False
     try:
         if isinstance(rendezvous, int):
             # Every rank is on this host: keep gloo off interfaces the hostname may resolve to.
@@ -268,36 +269,38 @@ def _worker_main(conn: Connection, config: EngineConfig, rank: int,
         if control is not None:  # answer for the remote ranks: each one's host, or error
             ready = ("multi", started)
         conn.send(ready)
-        _serve_pipe(conn, runner, control)
+        clean = _serve_pipe(conn, runner, control)
     except Exception as e:
         # A node that never came is not a bug: one line, no traceback.
         with contextlib.suppress(OSError):
             conn.send(("error", str(e) if isinstance(e, NodeError) else traceback.format_exc()))
     finally:
-        _exit(runner)
+        _exit(runner, clean)
 
 
-def _serve_pipe(conn: Connection, runner: ModelRunner, control: Any) -> None:
-    """The command loop of a head-node rank; rank 0 of a multi-node instance relays."""
+def _serve_pipe(conn: Connection, runner: ModelRunner, control: Any) -> bool:
+    """The command loop of a head-node rank; rank 0 of a multi-node instance relays.
+
+    Returns False when the group is broken (a node is gone)."""
     while True:
         if control is not None and not conn.poll(distributed.HEARTBEAT_S):
             try:  # idle: make sure the other nodes are still there (and they, that we are)
                 distributed.call_everywhere(control, distributed.PING, (), lambda: ("ok", None))
             except NodeError as e:
                 conn.send(("died", str(e)))
-                return
+                return False
             continue
         try:
             method, args = conn.recv()
         except (EOFError, OSError):
-            return  # the head is gone
+            return False  # the head is gone
         if method == _SHUTDOWN:
             if control is not None:
                 try:
                     distributed.broadcast_command(control, (_SHUTDOWN, ()))
                 except Exception:  # already gone: nothing to tell
-                    pass
-            return
+                    return False
+            return True
         reply: tuple[str, Any]
         if control is None:
             reply = _run(runner, method, args)
@@ -307,11 +310,11 @@ def _serve_pipe(conn: Connection, runner: ModelRunner, control: Any) -> None:
                     control, method, args, functools.partial(_run, runner, method, args)))
             except NodeError as e:
                 conn.send(("died", str(e)))
-                return
+                return False
         try:
             conn.send(reply)
         except OSError:
-            return
+            return False
         except Exception:  # the result does not pickle
             conn.send(("error", traceback.format_exc()))
 
@@ -323,12 +326,12 @@ def _run(runner: ModelRunner, method: str, args: tuple) -> tuple[str, Any]:
         return ("error", traceback.format_exc())
 
 
-def _exit(runner: ModelRunner | None) -> None:
+def _exit(runner: ModelRunner | None, clean: bool = True) -> None:
     import torch.distributed as dist
 
     if runner is not None:
         runner.close()
-    if dist.is_initialized():
+    if clean and dist.is_initialized():  # a broken group could block here
         dist.destroy_process_group()
     # Skip interpreter teardown: everything is released above, and torch's
     # finalisation would add about half a second to every engine shutdown.
