@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from kvbridge.config import MultiNodeConfig
+from kvbridge.engine.distributed import interface_of
 from kvbridge.engine.engine import build_engine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.workers import WorkerDiedError
@@ -71,3 +72,9 @@ def test_node_layout_is_checked_before_anything_starts() -> None:
     assert r.returncode == 2 and "--master-addr" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
+
+
+def test_gloo_binds_the_interface_that_owns_the_advertised_address() -> None:
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("192.0.2.1") is None  # TEST-NET-1: on no interface here
+    assert interface_of("::1") is None  # IPv6: left to gloo's own choice

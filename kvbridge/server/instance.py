@@ -120,8 +120,9 @@ class Instance:
             if opts.role in ("prefill", "both"):
                 server = self.connector.start_side_channel(self.compat, metas)
                 assert self.connector.store is not None
+                here = opts.side_channel.advertised  # ranks on this host (all, on one node)
                 self.connector.store.rank_hosts = {
-                    r: h for r, h in enumerate(engine.workers.rank_hosts) if h is not None}
+                    r: h or here for r, h in enumerate(engine.workers.rank_hosts)}
                 self.connector.store.health = self._health
                 log.info("side channel (%s) on %s:%d, advertised as %s", server.method,
                          opts.side_channel.side_channel_host, server.port,
