@@ -125,7 +125,10 @@ class WorkerGroup:
                 except Exception as e:  # the same error type as from worker processes
                     raise WorkerError(f"[rank 0] {traceback.format_exc()}") from e
             for conn in self._conns:
-                conn.send((method, args))
+                try:
+                    conn.send((method, args))
+                except OSError:
+                    pass  # that rank is gone: _gather reads its last word (or EOF) and says so
             return self._gather()
 
     def _gather(self) -> list[Any]:
