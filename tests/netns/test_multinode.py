@@ -91,9 +91,10 @@ class Cluster:
                          "--side-channel-token-file", str(tls / "token")]
         self.procs["c1"] = Proc(c, "decode-tp1", self.logs, *decode_common, "--tp", "1",
                                 "--host", c.addr, "--port", "8001", "--side-channel-host", c.addr)
-        # A decode across hosts c and d; d has its own copies of the CA bundle and token.
+        # A TP 4 decode across hosts c and d (two ranks each); d has its own copies of the
+        # CA bundle and token.
         d = self.net.hosts["d"]
-        nodes = ["--tp", "2", "--nnodes", "2", "--master-addr", c.addr, "--master-port", "29501"]
+        nodes = ["--tp", "4", "--nnodes", "2", "--master-addr", c.addr, "--master-port", "29501"]
         self.procs["d"] = Proc(d, "decode-nodes-d", self.logs, *decode_common, *nodes,
                                "--node-rank", "1", "--headless", "--advertise-host", d.addr)
         self.procs["cn"] = Proc(c, "decode-nodes-c", self.logs, *decode_common, *nodes,
@@ -219,8 +220,8 @@ def _two_hops(cluster: Cluster, decode: str, prompt: str, max_tokens: int = MAX_
 
 def test_decode_tp1_and_a_decode_across_hosts(cluster: Cluster, net: Net,
                                               reference: dict[str, str]) -> None:
-    """A TP 1 decode reads both halves; a TP 2 decode on hosts c and d reads each half
-    with the rank on its own host: d's rank takes b's half straight from b."""
+    """A TP 1 decode reads both halves; a TP 4 decode on hosts c and d reads each half
+    with the ranks on its own host: d's ranks take b's half straight from b."""
     for url in (cluster.decode_tp1, cluster.decode_nodes):
         for prompt in PROMPTS:
             status, body = _two_hops(cluster, url, prompt)
