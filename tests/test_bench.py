@@ -59,7 +59,8 @@ def test_handshake(tmp_path):
         for part in ("total", "fetch", "connect"):
             _positive(*(d["cold_ms"][m][part][q] for q in ("p50", "p90", "p99")))
     _positive(d["ratios"]["http_over_zmq_warm_p50"], d["ratios"]["https_over_zmq_warm_p50"])
-    assert len(d["goals"]) == 2
+    _positive(*d["ratios"].values())
+    assert len(d["goals"]) == 4
     _goals(d)
 
 

@@ -441,6 +441,72 @@ def test_mtls_with_the_right_client_certificate(mtls_server, clients, certs):
         client.fetch(HOST, mtls_server.port, 0)
 
 
+def _resumed(client: HttpHandshakeClient, port: int) -> bool:
+    """Whether the client's idle connection to the port resumed an earlier TLS session."""
+    (conn,) = client._idle[(HOST, port)]
+    return conn.sock.session_reused
+
+
+@pytest.mark.parametrize("cert", [False, True], ids=["tls", "mtls"])
+def test_a_new_client_resumes_the_tls_session_of_an_earlier_one(servers, mtls_server, clients,
+                                                                certs, cert):
+    port = (mtls_server if cert else servers["http"]).port
+    first = clients("http", tls=client_tls(certs, cert=cert))
+    assert first.fetch(HOST, port, 0) == [rank_meta(0)]
+    second = clients("http", tls=client_tls(certs, cert=cert))
+    assert second.fetch(HOST, port, 1) == [rank_meta(1)]
+    assert _resumed(second, port)
+    # a client that trusts another CA shares nothing with them, and is refused
+    with pytest.raises(HandshakeError, match="TLS"):
+        clients("http", tls=client_tls(certs, ca="other-ca.pem")).fetch(HOST, port, 0)
+
+
+# --- keep-alive, redirects ---------------------------------------------------------------------
+
+def _keepalive_replier(body: bytes, answers: int, accepted: list):
+    """Answers ``answers`` requests per connection, then reads one more and closes without
+    an answer (a keep-alive connection the server ends as the next request arrives)."""
+    def handler(conn: socket.socket) -> None:
+        accepted.append(conn)
+        for _ in range(answers):
+            read_request(conn)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/vnd.msgpack\r\n"
+                         b"content-length: %d\r\n\r\n" % len(body) + body)
+        read_request(conn)
+        conn.close()
+    return handler
+
+
+def test_http_fetches_reuse_one_connection(clients):
+    body = encode_envelope(compat(), [rank_meta(0)])
+    accepted: list = []
+    with RawServer(_keepalive_replier(body, 5, accepted)) as srv:
+        client = clients("http")
+        for _ in range(5):
+            assert client.fetch(HOST, srv.port, 0) == [rank_meta(0)]
+    assert len(accepted) == 1
+
+
+def test_keepalive_connection_closed_by_the_peer_is_replaced(clients):
+    body = encode_envelope(compat(), [rank_meta(0)])
+    accepted: list = []
+    with RawServer(_keepalive_replier(body, 1, accepted)) as srv:
+        client = clients("http")
+        for _ in range(3):
+            assert client.fetch(HOST, srv.port, 0) == [rank_meta(0)]
+    assert len(accepted) == 3
+
+
+def test_http_redirect_is_not_followed(clients):
+    accepted: list = []
+    with RawServer(lambda conn: (accepted.append(conn), _http_replier(
+            b"HTTP/1.1 307 Temporary Redirect\r\nlocation: http://127.0.0.1:1/\r\n"
+            b"content-length: 0\r\nconnection: close\r\n\r\n")(conn))) as srv:
+        with pytest.raises(HandshakeError, match="answered 307"):
+            clients("http").fetch(HOST, srv.port, 0)
+    assert len(accepted) == 1
+
+
 # --- timeouts ---------------------------------------------------------------------------------
 
 def _assert_times_out(client: HandshakeClient, port: int, match: str = "") -> HandshakeTimeout:

@@ -1,4 +1,5 @@
-"""The ``http`` method: a dedicated side-channel server (Starlette on uvicorn) and an httpx client.
+"""The ``http`` method: a dedicated side-channel server (Starlette on uvicorn) and a keep-alive client on
+``http.client``.
 
 The server is its own ASGI app on its own port, never mounted on a user-facing
 API. Routes:
@@ -16,16 +17,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import http.client
 import itertools
 import json
 import logging
+import os
+import select
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
 
-import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -209,6 +212,11 @@ class HttpHandshakeServer(HandshakeServer):
 
 
 class HttpHandshakeClient(HandshakeClient):
+    """HTTP/1.1 over the standard library's ``http.client``: one keep-alive connection per
+    peer (a small pool of idle ones when several threads fetch at once), TLS contexts and
+    sessions shared by every client with the same settings, so a new client to a known
+    peer resumes the TLS session instead of a full handshake. Never follows redirects."""
+
     method = "http"
 
     def __init__(self, timeout: float, expected, token: str | None = None,
@@ -220,75 +228,244 @@ class HttpHandshakeClient(HandshakeClient):
         # https whenever we have a CA to verify the server against (or our own cert).
         self.scheme = scheme or ("https" if (tls.ca_certs or tls.certfile) else "http")
         # Plain http needs no SSL context (building the default one costs ~90 ms).
-        verify = tls.client_context() if self.scheme == "https" else False
-        self._client = httpx.Client(verify=verify, trust_env=False,
-                                    limits=httpx.Limits(max_connections=64))
+        self._tls = _tls_state(tls) if self.scheme == "https" else None
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._lock = threading.Lock()
+        self._headers = {"accept": MSGPACK}
+        if self.token:
+            self._headers["authorization"] = f"Bearer {self.token}"
 
     def close(self) -> None:
-        self._client.close()
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for c in conns:
+                c.close()
 
     def _request(self, host: str, port: int, tp_rank: int | None, deadline: float) -> Reply:
         h = f"[{host}]" if ":" in host else host
-        url = f"{self.scheme}://{h}:{port}{PATH}" + ("" if tp_rank is None else f"/{tp_rank}")
-        headers = {"accept": MSGPACK}
-        if self.token:
-            headers["authorization"] = f"Bearer {self.token}"
-        left = deadline - time.monotonic()
-        if left <= 0:
+        path = PATH + ("" if tp_rank is None else f"/{tp_rank}")
+        url = f"{self.scheme}://{h}:{port}{path}"
+        if deadline - time.monotonic() <= 0:
             raise HandshakeTimeout(f"http handshake with {url}: no time left")
         # One watchdog over the whole request: at the deadline it shuts the connection
-        # under whatever read is blocked (headers trickled in count too). A new
-        # connection is known from the trace hook, a reused one from the response.
-        conn: dict[str, object] = {}
-        watchdog = _WATCHDOG.arm(deadline, lambda: _cut(conn.get("stream")))
+        # under whatever read is blocked (trickled heads and bodies included).
+        current: list[_Connection] = []
+        watchdog = _WATCHDOG.arm(deadline, lambda: current and current[-1].cut())
         try:
-            with self._client.stream("GET", url, headers=headers, timeout=httpx.Timeout(left),
-                                     extensions={"trace": _tracer(conn)}) as resp:
-                conn.setdefault("stream", resp.extensions.get("network_stream"))
-                body = self._read_capped(resp, url)
-        except (httpx.HTTPError, httpx.StreamError, OSError, RuntimeError) as e:
-            if time.monotonic() >= deadline:
+            conn = self._take(host, port)
+            reused = conn is not None
+            while True:
+                if conn is None:
+                    conn = self._connect(host, port, deadline, current)
+                current.append(conn)
+                try:
+                    status, body, keep = self._exchange(conn, path, url, deadline)
+                    break
+                except (http.client.RemoteDisconnected, ConnectionResetError,
+                        BrokenPipeError):
+                    conn.close()
+                    if not reused or time.monotonic() >= deadline:
+                        raise
+                    # The peer closed an idle keep-alive connection: once more, on a new one.
+                    conn, reused = None, False
+        except (http.client.HTTPException, OSError, ValueError, WireFormatError) as e:
+            for c in current:
+                c.close()
+            if time.monotonic() >= deadline:  # cut by the watchdog: whatever broke, it's late
                 raise HandshakeTimeout(f"http handshake with {url}: not complete within "
                                        f"{self.timeout:g}s") from None
+            if isinstance(e, WireFormatError):
+                raise
             raise self._translate(e, url) from None
         finally:
             watchdog.cancel()
         if time.monotonic() >= deadline:
+            conn.close()
             raise HandshakeTimeout(f"{url}: reply not complete within {self.timeout:g}s")
-        if resp.status_code != 200:
-            return Reply(resp.status_code, error=_error_text(body))
+        if keep:
+            self._give(host, port, conn)
+        else:
+            conn.close()
+        if status != 200:
+            return Reply(status, error=_error_text(body))
         return Reply(200, body)
+
+    def _take(self, host: str, port: int) -> _Connection | None:
+        with self._lock:
+            conns = self._idle.get((host, port))
+            while conns:
+                conn = conns.pop()
+                if conn.usable():
+                    return conn
+                conn.close()
+        return None
+
+    def _give(self, host: str, port: int, conn: _Connection) -> None:
+        with self._lock:
+            conns = self._idle.setdefault((host, port), [])
+            if len(conns) < _MAX_IDLE_PER_PEER:
+                conns.append(conn)
+                return
+        conn.close()
+
+    def _connect(self, host: str, port: int, deadline: float,
+                 current: list[_Connection]) -> _Connection:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no time left to connect")
+        sock = socket.create_connection((host.strip("[]"), port), timeout=left)
+        conn = _Connection(host, port, sock)
+        current.append(conn)  # the watchdog can cut the TLS handshake too
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._tls is not None:
+            conn.wrap(self._tls)
+        return conn
+
+    def _exchange(self, conn: _Connection, path: str, url: str,
+                  deadline: float) -> tuple[int, bytes, bool]:
+        """Send the GET, read the capped reply: (status, body, connection reusable)."""
+        conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        conn.http.request("GET", path, headers=self._headers)
+        resp = conn.http.getresponse()
+        body = self._read_capped(resp, url)
+        conn.remember_session(self._tls)
+        return resp.status, body, not resp.will_close
 
     def _translate(self, e: Exception, url: str) -> Exception:
         """A transport failure before the deadline, as the error a caller can act on."""
-        if isinstance(e, httpx.ConnectError):
-            if _is_tls_error(e):
-                return HandshakeError(f"TLS with {url} failed: {e}")
-            return _Retry(f"{type(e).__name__}: {e}")  # refused: the peer may be starting
-        if isinstance(e, httpx.RemoteProtocolError):
-            if "without sending a response" not in str(e):  # it answered, but not in HTTP
-                return WireFormatError(f"{url} answered something that is not HTTP: {e}")
+        if isinstance(e, ssl.SSLError | ssl.CertificateError):
+            return HandshakeError(f"TLS with {url} failed: {e}")
+        if isinstance(e, http.client.RemoteDisconnected | ConnectionResetError
+                      | BrokenPipeError):
             hint = ("does it require a client certificate (mTLS)?" if self.scheme == "https"
                     else "is it a TLS server spoken to in plaintext?")
             return HandshakeError(f"{url} closed the connection without an answer ({e}); {hint}")
-        if isinstance(e, httpx.TimeoutException):
+        if isinstance(e, ConnectionRefusedError):
+            return _Retry(f"{type(e).__name__}: {e}")  # refused: the peer may be starting
+        if isinstance(e, http.client.HTTPException):  # it answered, but not in HTTP
+            return WireFormatError(f"{url} answered something that is not HTTP: "
+                                   f"{type(e).__name__}: {e}")
+        if isinstance(e, TimeoutError):
             return HandshakeTimeout(f"http handshake with {url}: no answer within "
                                     f"{self.timeout:g}s")
         return HandshakeError(f"http handshake with {url}: {type(e).__name__}: {e}")
 
-    def _read_capped(self, resp: httpx.Response, url: str) -> bytes:
-        """The body, at most ``max_message_bytes``."""
+    def _read_capped(self, resp: http.client.HTTPResponse, url: str) -> bytes:
+        """The body, at most ``max_message_bytes``; a body shorter than declared is an error."""
         limit = self.max_message_bytes
-        declared = resp.headers.get("content-length")
+        declared = resp.getheader("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise WireFormatError(f"{url}: reply of {declared} bytes exceeds the limit of {limit}")
         chunks, size = [], 0
-        for chunk in resp.iter_bytes():
+        while True:
+            chunk = resp.read(min(65536, limit + 1 - size))
+            if not chunk:
+                break
             size += len(chunk)
             if size > limit:
                 raise WireFormatError(f"{url}: reply exceeds the limit of {limit} bytes")
             chunks.append(chunk)
+        if resp.length:  # http.client returns short bodies silently when the peer closes
+            raise WireFormatError(f"{url}: reply body ended {resp.length} bytes short")
         return b"".join(chunks)
+
+
+# Idle keep-alive connections kept per peer and client (more only while threads overlap).
+_MAX_IDLE_PER_PEER = 4
+_MAX_SESSIONS = 1024
+
+
+class _TlsState:
+    """An SSL context and the TLS sessions it made, per peer, for resumption."""
+
+    def __init__(self, context: ssl.SSLContext):
+        self.context = context
+        self.sessions: dict[tuple[str, int], ssl.SSLSession] = {}
+        self.lock = threading.Lock()
+
+    def session(self, host: str, port: int) -> ssl.SSLSession | None:
+        with self.lock:
+            return self.sessions.get((host, port))
+
+    def remember(self, host: str, port: int, session: ssl.SSLSession) -> None:
+        with self.lock:
+            self.sessions.pop((host, port), None)
+            self.sessions[(host, port)] = session
+            while len(self.sessions) > _MAX_SESSIONS:
+                self.sessions.pop(next(iter(self.sessions)))
+
+
+_TLS_STATES: dict[tuple, _TlsState] = {}
+_TLS_STATES_LOCK = threading.Lock()
+
+
+def _tls_state(tls: TLSConfig) -> _TlsState:
+    """One context per TLS setting (and per version of its files on disk), shared by all
+    clients: a context is costly to build, and sessions resume only within one."""
+    files = []
+    for f in (tls.certfile, tls.keyfile, tls.ca_certs):
+        try:
+            files.append(os.stat(f).st_mtime_ns if f else None)
+        except OSError:
+            files.append(None)  # client_context() says what is wrong with it
+    key = (tls, tuple(files))
+    with _TLS_STATES_LOCK:
+        state = _TLS_STATES.get(key)
+    if state is None:
+        state = _TlsState(tls.client_context())
+        with _TLS_STATES_LOCK:
+            state = _TLS_STATES.setdefault(key, state)
+    return state
+
+
+class _Connection:
+    """One keep-alive connection: its socket (TLS-wrapped or not) and the http.client
+    object that speaks HTTP/1.1 on it."""
+
+    def __init__(self, host: str, port: int, sock: socket.socket):
+        self.host, self.port, self.sock = host, port, sock
+        self.http = http.client.HTTPConnection(host.strip("[]"), port)
+        self.http.sock = sock
+        self.resumed = False
+
+    def wrap(self, tls: _TlsState) -> None:
+        session = tls.session(self.host, self.port)
+        self.sock = tls.context.wrap_socket(self.sock, server_hostname=self.host.strip("[]"),
+                                            session=session)
+        self.http.sock = self.sock
+        self.resumed = self.sock.session_reused
+
+    def remember_session(self, tls: _TlsState | None) -> None:
+        # TLS 1.3 tickets arrive after the handshake: the session is known once we read.
+        if tls is not None and not self.resumed:
+            session = getattr(self.sock, "session", None)
+            if session is not None:
+                tls.remember(self.host, self.port, session)
+                self.resumed = True  # one ticket per connection is enough
+
+    def usable(self) -> bool:
+        """Still open: an idle connection the peer closed reads as ready (EOF)."""
+        try:
+            if self.sock.fileno() < 0:
+                return False
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
+
+    def cut(self) -> None:
+        """Unblock a read in progress (closing alone does not: the reader sits in recv).
+        ``socket.shutdown`` of the base class: SSLSocket's own would drop its TLS state
+        under the reading thread."""
+        with contextlib.suppress(OSError, ValueError):
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.http.close()
+        with contextlib.suppress(OSError):
+            self.sock.close()
 
 
 class _Watchdog:
@@ -351,32 +528,6 @@ class _Armed:
 
 
 _WATCHDOG = _Watchdog()
-
-
-def _tracer(conn: dict[str, object]) -> Callable[[str, dict], None]:
-    def trace(event: str, info: dict) -> None:
-        if event in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
-            conn["stream"] = info.get("return_value")
-    return trace
-
-
-def _cut(stream: object) -> None:
-    """Unblock a read in progress on a connection (closing the response alone does not:
-    the reading thread sits in recv)."""
-    get = getattr(stream, "get_extra_info", None)
-    sock = get("socket") if get is not None else None
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-
-
-def _is_tls_error(e: Exception) -> bool:
-    cause = e
-    while cause is not None:
-        if isinstance(cause, ssl.SSLError):
-            return True
-        cause = cause.__cause__ or cause.__context__
-    return "SSL" in str(e) or "certificate" in str(e).lower()
 
 
 def _error_text(body: bytes) -> str:
