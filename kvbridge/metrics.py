@@ -41,6 +41,12 @@ class Metrics:
         self.metadata_bytes_served = Counter(
             "kvbridge_metadata_bytes_served", "Handshake metadata bytes the side channel sent",
             registry=r)
+        self.request_phase_seconds = Histogram(
+            "kvbridge_request_phase_seconds",
+            "Where a request's time to first token goes, inside the engine: queue (arrived to "
+            "blocks allocated for its remote KV, or to scheduled), kv_load (to KV loaded), "
+            "after_load (to scheduled), first_step (to the first token), and the whole "
+            "time_to_first_token", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.held_requests = Gauge("kvbridge_held_requests",
                                    "Prefill requests holding blocks for a decode", registry=r)
 
@@ -49,6 +55,21 @@ class Metrics:
         self.side_channel_requests.labels(route, str(status)).inc()
         if status == 200 and route.startswith("handshake"):
             self.metadata_bytes_served.inc(nbytes)
+
+    def observe_phases(self, times: dict[str, float]) -> None:
+        """``AsyncEngine``'s phase observer: ``RequestOutput.times`` of a first token."""
+        phases = self.request_phase_seconds
+        t = times
+        started = t.get("load_started", t.get("scheduled"))
+        if started is None or "arrived" not in t or "first_token" not in t:
+            return
+        phases.labels("queue").observe(started - t["arrived"])
+        if "load_started" in t and "kv_loaded" in t and "scheduled" in t:
+            phases.labels("kv_load").observe(t["kv_loaded"] - t["load_started"])
+            phases.labels("after_load").observe(t["scheduled"] - t["kv_loaded"])
+        if "scheduled" in t:
+            phases.labels("first_step").observe(t["first_token"] - t["scheduled"])
+        phases.labels("time_to_first_token").observe(t["first_token"] - t["arrived"])
 
     def track_blocks(self, free: Callable[[], int], total: int) -> None:
         """Block gauges read at scrape time."""

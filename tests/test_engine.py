@@ -307,6 +307,36 @@ def test_remote_kv_is_used_and_held_blocks_are_released(copy_engine, reference):
     assert engine.num_free_blocks == start and not engine.has_pending_work()
 
 
+def test_first_token_carries_the_phases_of_the_request(copy_engine):
+    """Where the time to first token went: every phase's start, in order, on the first
+    output only; and the metrics built from them add up to the whole."""
+    from kvbridge.metrics import Metrics
+
+    engine, conn = copy_engine
+    prompt = PROMPTS[7]
+    ids = engine.tokenizer.encode(prompt)
+    src_id, prefill = _held_prefill(engine, prompt)
+    assert set(prefill.times) == {"arrived", "scheduled", "first_token"}
+    rid = engine.add_request(ids, SamplingParams(max_tokens=3, temperature=0.0),
+                             kv_transfer_params={"src_blocks": prefill.kv_transfer_params[
+                                 "src_blocks"], "num_tokens": len(ids)})
+    outs = run_all(engine)[rid]
+    conn.release(src_id)
+    engine.step()
+    first = next(o for o in outs if o.new_token_ids)
+    t = first.times
+    assert [k for k in sorted(t, key=t.get)] == ["arrived", "load_started", "kv_loaded",
+                                                 "scheduled", "first_token"]
+    assert all(o.times is None for o in outs if o is not first)
+    m = Metrics()
+    m.observe_phases(t)
+    phase = {p: m.value("kvbridge_request_phase_seconds_sum", {"phase": p})
+             for p in ("queue", "kv_load", "after_load", "first_step", "time_to_first_token")}
+    assert phase["time_to_first_token"] == pytest.approx(t["first_token"] - t["arrived"])
+    assert sum(phase[p] for p in ("queue", "kv_load", "after_load", "first_step")) == \
+        pytest.approx(phase["time_to_first_token"])
+
+
 def test_remote_kv_really_replaces_the_prompt_computation(copy_engine, reference):
     """Loading another prompt's KV (a wrong "transfer") changes the output: the engine
     trusts the cache for the loaded prefix instead of recomputing it."""

@@ -3,8 +3,9 @@
 Coroutines submit work through a thread-safe command queue; the loop thread
 adds and aborts requests between steps and hands each output to the request's
 ``asyncio.Queue`` on the event loop that asked for it. While requests only wait
-(for remote KV or held blocks), the loop steps every ``poll_interval`` seconds
-to let the connector make progress, instead of spinning.
+(for remote KV or held blocks), the loop steps to let the connector make progress,
+instead of spinning: soon after the wait began (a READ of a few blocks takes about a
+millisecond) and then less and less often, every ``poll_interval`` seconds at most.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvbridge.engine.engine import LLMEngine
@@ -26,6 +28,8 @@ from kvbridge.params import KVTransferParams
 logger = logging.getLogger(__name__)
 
 _STOP = ("stop",)
+# First poll of a wait; each poll without progress doubles it, up to poll_interval.
+_FIRST_POLL = 0.0002
 
 
 _WORKERS_LOST = "a TP worker of this engine (or the node it runs on) is gone"
@@ -34,9 +38,13 @@ _WORKERS_LOST = "a TP worker of this engine (or the node it runs on) is gone"
 class AsyncEngine:
     """Owns ``engine`` from now on: only the loop thread touches it (besides collective_rpc)."""
 
-    def __init__(self, engine: LLMEngine, poll_interval: float = 0.005):
+    def __init__(self, engine: LLMEngine, poll_interval: float = 0.005,
+                 phase_observer: Callable[[dict[str, float]], None] | None = None):
+        """``phase_observer``: called on the loop thread with ``RequestOutput.times`` of
+        each request's first token (for metrics)."""
         self.engine = engine
         self.poll_interval = poll_interval
+        self._phase_observer = phase_observer
         self._commands: queue.Queue[tuple] = queue.Queue()
         # request id -> where its outputs go; None once aborted, until the engine's final
         # output for it arrives (so the id cannot be reused while the engine still has it).
@@ -87,7 +95,8 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._commands.put(("add", request_id, prompt_token_ids, sampling, kv_transfer_params))
+        self._commands.put(("add", request_id, prompt_token_ids, sampling, kv_transfer_params,
+                            time.monotonic()))
         finished = False
         try:
             while not finished:
@@ -137,18 +146,27 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        poll = _FIRST_POLL
         try:
             while True:
-                # Go straight on while the model has work; a step that ran nothing (all
-                # requests wait for remote KV, held blocks or free blocks) means poll.
-                if engine.has_runnable_work() and engine.last_step_ran_model:
+                # Go straight on while the model has work (or a load just completed); a
+                # step that ran nothing (all requests wait for remote KV, held blocks or
+                # free blocks) means poll, sooner at first.
+                if engine.has_runnable_work() and (engine.last_step_ran_model
+                                                   or engine.last_step_loaded):
                     timeout: float | None = 0.0
+                    poll = _FIRST_POLL
                 elif engine.has_pending_work():
-                    timeout = self.poll_interval
+                    timeout = poll
+                    poll = min(2 * poll, self.poll_interval)
                 else:
                     timeout = None  # idle: sleep until a command arrives
-                if not self._handle_commands(timeout):
+                    poll = _FIRST_POLL
+                command = self._handle_commands(timeout)
+                if command is None:
                     break
+                if command:
+                    poll = _FIRST_POLL  # new work: its wait starts now
                 if engine.has_pending_work():
                     self._deliver(engine.step())
             self._fail_all(EngineDeadError("engine shut down"))
@@ -156,22 +174,23 @@ class AsyncEngine:
             logger.exception("engine loop failed")
             self._fail_all(EngineDeadError(f"engine failed: {e}"), e)
 
-    def _handle_commands(self, timeout: float | None) -> bool:
-        """Apply queued commands (waiting up to ``timeout`` for the first); False on stop."""
+    def _handle_commands(self, timeout: float | None) -> bool | None:
+        """Apply queued commands (waiting up to ``timeout`` for the first): whether there
+        were any; None on stop."""
         try:
             if timeout == 0:
                 cmd = self._commands.get_nowait()
             else:
                 cmd = self._commands.get(timeout=timeout)
         except queue.Empty:
-            return True
+            return False
         while True:
             if cmd is _STOP:
-                return False
+                return None
             if cmd[0] == "add":
-                _, request_id, prompt, sampling, params = cmd
+                _, request_id, prompt, sampling, params, arrived = cmd
                 try:
-                    self.engine.add_request(prompt, sampling, request_id, params)
+                    self.engine.add_request(prompt, sampling, request_id, params, arrived)
                 except ValueError as e:
                     self._deliver_to(request_id, e, last=True)
             elif cmd[0] == "abort":
@@ -186,6 +205,11 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.times is not None and self._phase_observer is not None:
+                try:
+                    self._phase_observer(out.times)
+                except Exception:  # metrics must not stop the engine
+                    logger.exception("phase observer failed")
             self._deliver_to(out.request_id, out, last=out.finished)
 
     def _deliver_to(self, request_id: str, item: RequestOutput | BaseException,

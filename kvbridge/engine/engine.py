@@ -10,6 +10,7 @@ tokens, and the connector's ``update`` of all workers' outputs is applied.
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from typing import Any
 
@@ -51,6 +52,7 @@ class LLMEngine:
                                    self.max_model_len)
         self._pending_outputs: list[RequestOutput] = []
         self.last_step_ran_model = False
+        self.last_step_loaded = False  # a remote load completed: its request can run now
         self._seeds = random.Random()
         self.workers = WorkerGroup(config, worker_connector_factory or _null_worker_connector)
 
@@ -76,16 +78,21 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
                     request_id: str | None = None,
-                    kv_transfer_params: KVTransferParams | None = None) -> str:
-        """Queue a request; returns its id. ``ValueError`` if invalid or the id is in use."""
+                    kv_transfer_params: KVTransferParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id. ``ValueError`` if invalid or the id is in use.
+
+        ``arrival_time``: when the request arrived (time.monotonic()), default now.
+        """
         sampling = sampling or SamplingParams()
         self.check_request(prompt_token_ids, sampling, kv_transfer_params)
         request_id = request_id or uuid.uuid4().hex
         if self.scheduler.is_known(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(62)
-        self.scheduler.add(Sequence(request_id, prompt_token_ids, sampling, seed,
-                                    kv_transfer_params))
+        seq = Sequence(request_id, prompt_token_ids, sampling, seed, kv_transfer_params)
+        seq.times["arrived"] = time.monotonic() if arrival_time is None else arrival_time
+        self.scheduler.add(seq)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -118,6 +125,7 @@ class LLMEngine:
         if batch is not None:
             outputs += self.scheduler.postprocess(batch, results[0][1])
         update = self.connector.update([connector_output for connector_output, _ in results])
+        self.last_step_loaded = bool(update.loaded)
         outputs += self.scheduler.apply_update(update)
         return outputs
 

@@ -15,6 +15,7 @@ blocks are freed, or held for the connector until an ``update`` releases them.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -105,6 +106,7 @@ class Scheduler:
             if not self.blocks.can_allocate(need):
                 break
             seq.block_table = self.blocks.allocate(need)
+            seq.times["load_started"] = time.monotonic()
             self.connector.on_blocks_allocated(seq.request_id, list(seq.block_table))
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
@@ -121,6 +123,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.block_table += self.blocks.allocate(need)
             seq.status = RequestStatus.RUNNING
+            seq.times.setdefault("scheduled", time.monotonic())
             if seq.prefix_cached_tokens is None:
                 seq.prefix_cached_tokens = seq.num_cached_tokens
             scheduled.append(seq)
@@ -170,10 +173,13 @@ class Scheduler:
                   or seq.num_tokens >= self.max_model_len):
                 reason = "length"
             if reason is None:
-                outputs.append(self._output(seq, [token]))
+                out = self._output(seq, [token])
             else:
                 self.running.remove(seq)
-                outputs.append(self._finish(seq, reason, new_token_ids=[token]))
+                out = self._finish(seq, reason, new_token_ids=[token])
+            if seq.num_output_tokens == 1:
+                out.times = {**seq.times, "first_token": time.monotonic()}
+            outputs.append(out)
         return outputs
 
     def apply_update(self, update: ConnectorUpdate) -> list[RequestOutput]:
@@ -186,6 +192,7 @@ class Scheduler:
                                request_id)
                 continue
             self.remote.remove(seq)
+            seq.times["kv_loaded"] = time.monotonic()
             if seq.aborted:
                 outputs.append(self._finish(seq, "abort"))
                 continue

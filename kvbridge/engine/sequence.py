@@ -35,6 +35,9 @@ class Sequence:
         self.num_remote_tokens = 0  # promised by the connector
         self.prefix_cached_tokens: int | None = None  # num_cached_tokens at the first prefill
         self.aborted = False  # abort requested while a remote load writes into our blocks
+        # When each phase before the first token began (time.monotonic()): "arrived",
+        # "load_started", "kv_loaded", "scheduled"; see ``RequestOutput.times``.
+        self.times: dict[str, float] = {}
 
     @property
     def num_tokens(self) -> int:
@@ -77,3 +80,6 @@ class RequestOutput:
     error: LoadFailure | None = None
     kv_transfer_params: KVTransferParams | None = None
     num_cached_tokens: int = 0
+    # On the output with the first token only: the request's phase start times (see
+    # ``Sequence.times``) and "first_token", all time.monotonic().
+    times: dict[str, float] | None = None

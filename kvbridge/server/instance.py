@@ -132,7 +132,7 @@ class Instance:
             self.connector.close()
             raise
         self.metrics.track_blocks(lambda: engine.num_free_blocks, engine.num_blocks)
-        self.engine = AsyncEngine(engine)
+        self.engine = AsyncEngine(engine, phase_observer=self.metrics.observe_phases)
         self.app: Starlette = build_app(self.engine, self.model_name)
         routes = [Route("/metrics", self._metrics, methods=["GET"])]
         if opts.role in ("prefill", "both"):
