@@ -318,8 +318,8 @@ def test_first_token_carries_the_phases_of_the_request(copy_engine):
     src_id, prefill = _held_prefill(engine, prompt)
     assert set(prefill.times) == {"arrived", "scheduled", "first_token"}
     rid = engine.add_request(ids, SamplingParams(max_tokens=3, temperature=0.0),
-                             kv_transfer_params={"src_blocks": prefill.kv_transfer_params[
-                                 "src_blocks"], "num_tokens": len(ids)})
+                             kv_transfer_params=copy_from(
+                                 prefill.kv_transfer_params.remote_block_ids, len(ids)))
     outs = run_all(engine)[rid]
     conn.release(src_id)
     engine.step()
