@@ -100,6 +100,11 @@ def test_serve(tmp_path):
             assert r["errors"] == 0, r["error_samples"]
             _positive(r["tokens_per_s"], r["ttft_ms"]["p50"], r["ttft_ms"]["p99"],
                       r["itl_ms"]["p50"], r["output_tokens"])
+            # every millisecond of the mean TTFT has a name: the parts add up to it
+            parts = dict(r["ttft_breakdown_ms"])
+            total, _ = parts.pop("ttft_mean"), parts.pop("prefill_hop_engine_part", None)
+            assert all(math.isfinite(v) for v in parts.values()), parts
+            assert sum(parts.values()) == pytest.approx(total, rel=0.02), parts
     for setup in ("pd", "pd_prewarmed", "mono"):
         for which in ("first", "second"):
             _positive(d["first_requests"][setup][which]["ttft_ms"])

@@ -241,9 +241,19 @@ def plot(r: dict[str, Any], path: Path) -> None:
             bars = ax.bar(xs, vals, width, label=q)
             ax.bar_label(bars, fmt="%.2f", fontsize=7)
         ax.set_xticks(range(len(names)), [n.replace("_", "\n", 1) for n in names])
+        if key == "warm_ms":  # goals: http p50 <= zmq p50 and <= 2x the raw socket's
+            ax.axhline(r[key]["zmq"]["p50"], color="grey", lw=0.8, ls=":",
+                       label="goal: http p50 <= zmq p50")
+            ax.axhline(2 * r[key][RAW]["p50"], color="black", lw=0.8, ls="--",
+                       label="goal: http p50 <= 2x raw p50")
+        else:
+            zmq = r[key]["zmq"]["total"]["p50"]
+            ax.axhline(1.2 * zmq, color="grey", lw=0.8, ls=":", label="goal: http <= 1.2x zmq")
+            ax.axhline(1.5 * zmq, color="black", lw=0.8, ls="--",
+                       label="goal: https <= 1.5x zmq")
         ax.set_ylabel("ms")
         ax.set_title(title)
-        ax.legend()
+        ax.legend(fontsize=7)
     md = r["metadata"]["envelope_bytes_per_rank"][0]
     fig.suptitle(f"kvbridge handshake, TP {r['config']['tp']}, {md} B metadata per rank "
                  f"(http/zmq warm p50 = {r['ratios']['http_over_zmq_warm_p50']:.2f}x)")

@@ -425,8 +425,23 @@ def summary(r: dict[str, Any]) -> str:
 
 def plot(r: dict[str, Any], path: Path) -> None:
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.4))
     names = {"pd": "P/D (prefill + decode + proxy)", "mono": "monolithic (--role both)"}
+    for g in r["goals"]:  # the TTFT budget at 1 in flight
+        axes[0].plot([1], [g["value"]["budget_ms"]], "k_", ms=18, mew=2,
+                     label="goal at 1 in flight")
+    # Mean TTFT at the lowest level, split into its named parts.
+    bottom = {s: 0.0 for s in SWEPT}
+    low = {s: r["results"][s][0] for s in SWEPT}
+    for setup in SWEPT:
+        for part, ms in low[setup]["ttft_breakdown_ms"].items():
+            if part in ("ttft_mean", "prefill_hop_engine_part") or ms != ms:  # NaN: absent
+                continue
+            axes[3].bar(setup, ms, bottom=bottom[setup], label=f"{setup}: {part}")
+            axes[3].text(setup, bottom[setup] + ms / 2, f"{part} {ms:.1f}", ha="center",
+                         va="center", fontsize=6)
+            bottom[setup] += ms
+    axes[3].set(ylabel="ms", title=f"mean TTFT, {low['pd']['concurrency']} in flight, by part")
     for setup in SWEPT:
         rows = r["results"][setup]
         xs = [x["concurrency"] for x in rows]
