@@ -31,6 +31,7 @@ from kvbridge.bench.peer import pattern
 from kvbridge.bench.report import goal_lines
 
 KiB = 1024
+READS_IN_FLIGHT = 4  # the same blocks split into this many READs at once
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,6 +124,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if state != "DONE":
                         raise RuntimeError(f"NIXL READ ended {state}")
 
+                def nixl_reads(lidx: np.ndarray, ridx: np.ndarray, parts: int, llist=llist,
+                               rlist=rlist) -> None:
+                    """The same blocks as ``parts`` READs posted at once, then all awaited."""
+                    hs = [agent.make_prepped_xfer("READ", llist, li, rlist, ri, b"")
+                          for li, ri in zip(np.array_split(lidx, parts),
+                                            np.array_split(ridx, parts), strict=True)]
+                    states = [agent.transfer(h) for h in hs]
+                    give_up = time.monotonic() + 60
+                    while "PROC" in states and time.monotonic() < give_up:
+                        states = [s if s != "PROC" else agent.check_xfer_state(h)
+                                  for s, h in zip(states, hs, strict=True)]
+                    for h in hs:
+                        agent.release_xfer_handle(h)
+                    if any(s != "DONE" for s in states):
+                        raise RuntimeError(f"NIXL READs ended {states}")
+
                 warm = np.arange(1, dtype=np.int64)
                 nixl_read(warm, warm)  # first READ sets up the UCX endpoint
                 for n in blocks:
@@ -150,6 +167,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         row[f"nixl_{mode}"] = {"seconds": secs, "iters": iters,
                                                "gb_per_s": nbytes / secs / 1e9,
                                                "descs_per_s": n / secs}
+                        if mode == "contiguous" and n >= READS_IN_FLIGHT:
+                            secs, iters = _repeat(lambda lidx=lidx, ridx=ridx: nixl_reads(
+                                lidx, ridx, READS_IN_FLIGHT), args)
+                            row[f"nixl_{mode}_{READS_IN_FLIGHT}_in_flight"] = {
+                                "seconds": secs, "iters": iters,
+                                "gb_per_s": nbytes / secs / 1e9}
                         # memcpy of the same bytes (same gather for the scattered ids)
                         if mode == "contiguous":
                             def copy(nbytes=nbytes) -> None:
@@ -220,15 +243,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def summary(r: dict[str, Any]) -> str:
     lines = ["block  blocks      MiB  NIXL GB/s  scat GB/s  memcpy GB/s  TCP GB/s  "
-             "NIXL/memcpy  descs/s"]
+             f"NIXL/memcpy  descs/s  {READS_IN_FLIGHT} READs GB/s"]
     for x in r["results"]:
+        split = x.get(f"nixl_contiguous_{READS_IN_FLIGHT}_in_flight", {}).get("gb_per_s",
+                                                                            float("nan"))
         scat = x.get("nixl_scattered", {}).get("gb_per_s", float("nan"))
         tcp = x.get("tcp_contiguous", {}).get("gb_per_s", float("nan"))
         lines.append(f"{x['block_bytes'] // KiB:>4}K {x['blocks']:>7} "
                      f"{x['bytes'] / 2**20:>8.2f} {x['nixl_contiguous']['gb_per_s']:>10.2f} "
                      f"{scat:>10.2f} {x['memcpy_contiguous']['gb_per_s']:>12.2f} {tcp:>9.2f} "
                      f"{x['nixl_over_memcpy']:>12.2f} "
-                     f"{x['nixl_contiguous']['descs_per_s']:>8.0f}")
+                     f"{x['nixl_contiguous']['descs_per_s']:>8.0f} {split:>13.2f}")
     return "\n".join(lines + goal_lines(r))
 
 
