@@ -9,14 +9,17 @@ READs ``n`` blocks of ``B`` bytes per transfer, sweeping ``n`` and ``B``:
 * each transfer is timed from ``make_prepped_xfer`` to DONE, as kvbridge's reads are.
 
 Baselines on the same bytes in the same run: an in-memory copy (torch, one thread, same
-block gather for the scattered case) inside this process, and the peer sending the bytes
-over a TCP socket on loopback into this process's buffer.
+block gather for the scattered case) inside this process, one ``process_vm_readv`` of the
+peer's bytes (the kernel copy UCX's ``cma`` transport makes for these READs), and the peer
+sending the bytes over a TCP socket on loopback into this process's buffer. Contiguous
+blocks are also read as 4 READs posted at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import ctypes
 import random
 import socket
 import struct
@@ -65,6 +68,27 @@ def _repeat(fn, args: argparse.Namespace) -> tuple[float, int]:
     return float(np.median(times)), len(times)
 
 
+class _CrossMemory:
+    """Baseline: the peer's bytes copied by the kernel with one ``process_vm_readv`` call,
+    which is what UCX's ``cma`` transport does for a READ between two processes on one
+    machine (UCX_PROTO_INFO=y shows "remote memory read ... zero-copy cma/memory")."""
+
+    class _Iovec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.process_vm_readv.restype = ctypes.c_ssize_t
+
+    def read(self, local: int, remote: int, nbytes: int) -> None:
+        lv, rv = self._Iovec(local, nbytes), self._Iovec(remote, nbytes)
+        got = self.libc.process_vm_readv(self.pid, ctypes.byref(lv), ctypes.c_ulong(1),
+                                         ctypes.byref(rv), ctypes.c_ulong(1), ctypes.c_ulong(0))
+        if got != nbytes:
+            raise OSError(ctypes.get_errno(), f"process_vm_readv read {got} of {nbytes} bytes")
+
+
 def _descs(base: int, count: int, size: int) -> np.ndarray:
     out = np.zeros((count, 3), dtype=np.uint64)
     out[:, 0] = np.uint64(base) + np.arange(count, dtype=np.uint64) * np.uint64(size)
@@ -106,6 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tcp = socket.create_connection(("127.0.0.1", info["tcp_port"]))
         tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         dst_np, src_np = dst.numpy(), src.numpy()
+        cma = _CrossMemory(peer.pid)
         try:
             for size in sizes:
                 count = max_blocks
@@ -187,6 +212,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         secs, iters = _repeat(copy, args)
                         row[f"memcpy_{mode}"] = {"seconds": secs, "iters": iters,
                                                  "gb_per_s": nbytes / secs / 1e9}
+                    secs, iters = _repeat(lambda nbytes=nbytes: cma.read(
+                        dst.data_ptr(), info["addr"], nbytes), args)
+                    row["cma_contiguous"] = {"seconds": secs, "iters": iters,
+                                             "gb_per_s": nbytes / secs / 1e9}
                     if args.tcp:
                         view = memoryview(dst_np)
 
@@ -219,6 +248,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         peer_stats = peer.stats()
     big = [r for r in results if r["bytes"] >= 4 * 2**20]
     worst = min((r["nixl_over_memcpy"] for r in big), default=float("nan"))
+    for r in results:
+        r["nixl_over_cma"] = r["nixl_contiguous"]["gb_per_s"] / r["cma_contiguous"]["gb_per_s"]
     goals = []
     if big:
         goals.append({"goal": "NIXL READ >= 0.7x in-memory copy bandwidth for transfers "
@@ -231,6 +262,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "timing": "median per point; NIXL: make_prepped_xfer .. DONE, busy poll",
                    "memcpy": "contiguous: torch copy_ (torch.set_num_threads(1)); scattered: "
                              "one numpy row copy per block",
+                   "cma": "the same bytes from the peer with one process_vm_readv call (what "
+                          "UCX's cma transport does for these READs)",
                    "backend": "NIXL UCX, DRAM to DRAM between two processes",
                    "nixl_progress_thread": True, "nixl_progress_delay_us": PROGRESS_DELAY_US,
                    "quick": args.quick},
@@ -243,7 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def summary(r: dict[str, Any]) -> str:
     lines = ["block  blocks      MiB  NIXL GB/s  scat GB/s  memcpy GB/s  TCP GB/s  "
-             f"NIXL/memcpy  descs/s  {READS_IN_FLIGHT} READs GB/s"]
+             f"NIXL/memcpy  descs/s  {READS_IN_FLIGHT} READs GB/s  CMA GB/s  NIXL/CMA"]
     for x in r["results"]:
         split = x.get(f"nixl_contiguous_{READS_IN_FLIGHT}_in_flight", {}).get("gb_per_s",
                                                                             float("nan"))
@@ -253,7 +286,9 @@ def summary(r: dict[str, Any]) -> str:
                      f"{x['bytes'] / 2**20:>8.2f} {x['nixl_contiguous']['gb_per_s']:>10.2f} "
                      f"{scat:>10.2f} {x['memcpy_contiguous']['gb_per_s']:>12.2f} {tcp:>9.2f} "
                      f"{x['nixl_over_memcpy']:>12.2f} "
-                     f"{x['nixl_contiguous']['descs_per_s']:>8.0f} {split:>13.2f}")
+                     f"{x['nixl_contiguous']['descs_per_s']:>8.0f} {split:>13.2f} "
+                     f"{x['cma_contiguous']['gb_per_s']:>9.2f} "
+                     f"{x['nixl_contiguous']['gb_per_s'] / x['cma_contiguous']['gb_per_s']:>9.2f}")
     return "\n".join(lines + goal_lines(r))
 
 
@@ -276,6 +311,8 @@ def plot(r: dict[str, Any], path: Path) -> None:
                          label=f"NIXL scattered {lab}")
         axes[0].plot(xs, [x["memcpy_contiguous"]["gb_per_s"] for x in rows], "s--", color=c,
                      alpha=0.6, label=f"memcpy {lab}")
+        axes[0].plot(xs, [x["cma_contiguous"]["gb_per_s"] for x in rows], "d-", color=c,
+                     alpha=0.4, lw=0.8, label=f"process_vm_readv {lab}")
         if any("tcp_contiguous" in x for x in rows):
             axes[0].plot(xs, [x["tcp_contiguous"]["gb_per_s"] for x in rows], "^-.", color=c,
                          alpha=0.6, label=f"TCP {lab}")
