@@ -187,8 +187,9 @@ class HttpHandshakeServer(HandshakeServer):
         tls = self._tls
         config = uvicorn.Config(
             self._app, log_level="warning", access_log=False, lifespan="off",
-            # httptools and uvloop: ~2x the requests per core of h11 on asyncio, and TLS
-            # handshakes in a third of the time (kvbridge bench sidechannel / handshake).
+            # httptools on uvloop: several times the requests per core of h11 on asyncio,
+            # and TLS in C rather than asyncio's Python layer (kvbridge bench sidechannel,
+            # handshake; BENCHMARKS.md).
             http=HeadLimitedHttpTools, ws="none", backlog=2048, timeout_keep_alive=30,
             limit_concurrency=self._limit_concurrency,
             ssl_certfile=tls.certfile, ssl_keyfile=tls.keyfile, ssl_ca_certs=tls.ca_certs,
