@@ -332,3 +332,23 @@ def test_a_dead_engine_fails_requests_instead_of_hanging():
         err = assert_error(c.post("/v1/completions", json={"prompt": "x"}), 503)
         assert err["code"] == "engine_not_running"
         assert_error(c.get("/health"), 503)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_deeply_nested_body_is_400_not_500(client, path):
+    r = client.post(path, content=b"[" * 100_000)
+    assert r.status_code == 400, r.text
+    assert "nests 100000 levels" in r.json()["error"]["message"]
+    body = {"model": MODEL, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}],
+            "kv_transfer_params": {"x": 1}}
+    nested = json.dumps(body).replace('{"x": 1}', "[" * 3000 + "]" * 3000)
+    r = client.post(path, content=nested)
+    assert r.status_code == 400, r.text
+
+
+def test_json_depth_ignores_brackets_in_strings():
+    from kvbridge.limits import json_depth
+
+    assert json_depth(b'{"a": "[[[[{{{", "b": [1, [2]]}') == 3
+    assert json_depth(rb'["\"[[[", [[]]]') == 3
+    assert json_depth(b"42") == 0

@@ -527,3 +527,18 @@ def test_mtls_to_engines(serve: Serve, tls_files: dict[str, str]) -> None:
     assert r.status_code == 502
     assert prefill.url in r.json()["error"]["message"]
     assert len(prefill.calls) == 1 and len(decode.calls) == 1
+
+
+def test_deep_and_huge_bodies_are_400_and_413_without_calling_engines(
+    pd: tuple[httpx.Client, FakeEngine, FakeEngine],
+) -> None:
+    client, prefill, decode = pd
+    r = client.post("/v1/completions", content=b"[" * 100_000)
+    assert r.status_code == 400, r.text
+    assert "nests" in r.json()["error"]["message"]
+    deep = b'{"model": "m", "prompt": "x", "stop": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    r = client.post("/v1/completions", content=deep)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = client.post("/v1/completions", content=b'{"prompt": "' + b"x" * (9 << 20) + b'"}')
+    assert r.status_code == 413, r.text
+    assert prefill.calls == [] and decode.calls == []

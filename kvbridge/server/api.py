@@ -49,6 +49,7 @@ from kvbridge.errors import (
     failure_status,
     status_of,
 )
+from kvbridge.limits import check_json_body, read_json_body
 from kvbridge.params import KVTransferParams
 
 __all__ = ["BackgroundServer", "build_app", "check_request_body", "run_server"]
@@ -150,12 +151,12 @@ class _API:
             "owned_by": "kvbridge", "max_model_len": self.engine.max_model_len}]})
 
     async def completions(self, request: Request) -> Response:
-        req = _parse(await request.body(), chat=False)
+        req = _parse(await read_json_body(request), chat=False)
         with self._refusing(req):
             return await self._completions(request, req)
 
     async def chat_completions(self, request: Request) -> Response:
-        req = _parse(await request.body(), chat=True)
+        req = _parse(await read_json_body(request), chat=True)
         with self._refusing(req):
             return await self._chat_completions(request, req)
 
@@ -258,6 +259,7 @@ def check_request_body(body: bytes, chat: bool) -> None:
 
 def _parse(body: bytes, chat: bool) -> Any:
     schema = ChatCompletionRequest if chat else CompletionRequest
+    check_json_body(body)  # msgspec recurses per level: a deep body must not reach it
     try:
         req = msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as e:

@@ -37,8 +37,9 @@ from kvbridge.connector.scheduler import NixlSchedulerConnector
 from kvbridge.connector.worker import NixlWorkerConnectorFactory
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.engine import build_engine
-from kvbridge.errors import InvalidKVTransferParams, KVBridgeError
+from kvbridge.errors import InvalidKVTransferParams, KVBridgeError, RequestError
 from kvbridge.handshake.base import token_ok
+from kvbridge.limits import read_json_body
 from kvbridge.metadata import compat_of, decode_rank
 from kvbridge.metrics import CONTENT_TYPE, Metrics
 from kvbridge.model.loader import load_config, resolve_dtype
@@ -204,7 +205,10 @@ class Instance:
         if not self._authorized(request):
             return _error(401, "missing or invalid bearer token (the side-channel token)")
         try:
-            params = KVTransferParams.from_obj(msgspec.json.decode(await request.body()))
+            params = KVTransferParams.from_obj(msgspec.json.decode(
+                await read_json_body(request)))
+        except RequestError as e:
+            return _error(e.status, e.message)
         except (msgspec.DecodeError, InvalidKVTransferParams) as e:
             return _error(400, f"expected the kv_transfer_params this prefill returned: {e}")
         if params is None or params.remote_request_id is None:
@@ -221,10 +225,12 @@ class Instance:
         if not self._authorized(request):
             return _error(401, "missing or invalid bearer token (the side-channel token)")
         try:
-            body = await request.json()
+            body = json.loads(await read_json_body(request))
             host, port = body["host"], body["port"]
             method = body.get("method")
             wait = body.get("wait", False)
+        except RequestError as e:
+            return _error(e.status, e.message)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             return _error(400, f"expected JSON {{host, port, method?, wait?}}: {e!r}")
         # Strict, as kv_transfer_params are: no coercion of "25600" or 25600.9 or true.

@@ -38,6 +38,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvbridge.errors import ConfigError, RequestError, error_body
+from kvbridge.limits import read_json_body
 from kvbridge.params import KVTransferParams
 from kvbridge.server.api import check_request_body
 
@@ -330,7 +331,9 @@ class _Proxy:
 
     async def _handle_completion(self, request: Request, endpoint: str) -> Response:
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await read_json_body(request))
+        except RequestError as e:
+            return _error(e.status, e.message, e.type, e.param)
         except (ValueError, UnicodeDecodeError):
             return _error(400, "request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
