@@ -38,6 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvbridge.config import TLSConfig
 from kvbridge.errors import HandshakeError, HandshakeTimeout, WireFormatError, error_body
+from kvbridge.guard import ConnectionBudget, guarded_protocol
 from kvbridge.handshake._protocol import HeadLimitedHttpTools
 from kvbridge.handshake.base import (
     MAX_REQUEST_BYTES,
@@ -163,7 +164,7 @@ class HttpHandshakeServer(HandshakeServer):
 
     def __init__(self, store: MetadataStore, host: str, port: int, *, token: str | None = None,
                  tls: TLSConfig | None = None, limit_concurrency: int = 2048,
-                 observer: Observer | None = None):
+                 observer: Observer | None = None, budget: ConnectionBudget | None = None):
         self._app = build_app(store, token, observer)
         self._tls = tls or TLSConfig()
         # Bind now so the port is known (port 0 = ephemeral) and connections that
@@ -175,7 +176,10 @@ class HttpHandshakeServer(HandshakeServer):
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host.strip("[]"), port))
         self._sock.listen(2048)
-        self._limit_concurrency = limit_concurrency
+        # Side-channel peers reconnect rarely: keep their connections longer than the API's.
+        self._budget = budget or ConnectionBudget.from_env(keep_alive_timeout=30.0)
+        # Above the guard's cap, so the guard evicts idle connections before uvicorn 503s.
+        self._limit_concurrency = max(limit_concurrency, self._budget.max_connections + 64)
         self._server: _ThreadServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -190,7 +194,8 @@ class HttpHandshakeServer(HandshakeServer):
             # httptools on uvloop: several times the requests per core of h11 on asyncio,
             # and TLS in C rather than asyncio's Python layer (kvbridge bench sidechannel,
             # handshake; BENCHMARKS.md).
-            http=HeadLimitedHttpTools, ws="none", backlog=2048, timeout_keep_alive=30,
+            http=guarded_protocol(HeadLimitedHttpTools, self._budget, "side channel"),
+            ws="none", backlog=2048, timeout_keep_alive=self._budget.keep_alive_timeout,
             limit_concurrency=self._limit_concurrency,
             ssl_certfile=tls.certfile, ssl_keyfile=tls.keyfile, ssl_ca_certs=tls.ca_certs,
             ssl_cert_reqs=tls.cert_reqs,

@@ -49,6 +49,7 @@ from kvbridge.errors import (
     failure_status,
     status_of,
 )
+from kvbridge.guard import guarded_config
 from kvbridge.limits import check_json_body, read_json_body
 from kvbridge.params import KVTransferParams
 
@@ -429,7 +430,8 @@ def run_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, *,
     ``ssl_certfile`` is set). ``sock``: already bound to ``host:port`` (uvicorn listens)."""
     _Server(uvicorn.Config(app, host=host, port=port, ssl_certfile=ssl_certfile,
                            ssl_keyfile=ssl_keyfile, ssl_ca_certs=ssl_ca_certs,
-                           ssl_cert_reqs=ssl_cert_reqs, log_level=log_level)).run(
+                           ssl_cert_reqs=ssl_cert_reqs, log_level=log_level,
+                           **guarded_config("engine API"))).run(
         sockets=None if sock is None else [sock])
 
 
@@ -450,6 +452,8 @@ class BackgroundServer:
         scheme = "https" if uvicorn_kwargs.get("ssl_certfile") else "http"
         self.url = f"{scheme}://{host}:{self.port}"
         uvicorn_kwargs.setdefault("log_level", "warning")
+        for k, v in guarded_config("engine API").items():
+            uvicorn_kwargs.setdefault(k, v)
         self._server = uvicorn.Server(uvicorn.Config(app, **uvicorn_kwargs))
         self._thread = threading.Thread(target=self._server.run, args=([self._sock],),
                                         name="kvbridge-api", daemon=True)

@@ -38,6 +38,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvbridge.errors import ConfigError, RequestError, error_body
+from kvbridge.guard import guarded_config
 from kvbridge.limits import read_json_body
 from kvbridge.params import KVTransferParams
 from kvbridge.server.api import check_request_body
@@ -558,4 +559,5 @@ def run_proxy(
         log_level=log_level,
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
+        **guarded_config("proxy"),
     )

@@ -1,0 +1,212 @@
+"""Connection budgets for every HTTP server kvbridge runs (side channel, engine API, proxy).
+
+uvicorn closes a keep-alive connection only after a response: a connection that never
+sends a byte, or sends its request head a byte at a time (slowloris), stays open for
+good, and enough of them fill ``limit_concurrency`` so that every real request gets 503.
+The guard wraps uvicorn's HTTP protocol and adds, per connection and per server:
+
+* a deadline for the first byte of a request after the connection is made (after the
+  TLS handshake on https);
+* a deadline for a complete request head once its first byte arrived;
+* the keep-alive timeout between requests (uvicorn's own timer, set from the budget);
+* a cap on connections: at the cap, the connection idle the longest is closed to make
+  room for the new one. Connections with a request in flight are never evicted.
+
+    budget = ConnectionBudget.from_env()
+    uvicorn.Config(app, http=guarded_protocol(HttpToolsProtocol, budget, "api"),
+                   timeout_keep_alive=budget.keep_alive_timeout)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvbridge.errors import ConfigError
+
+__all__ = [
+    "ENV_NAMES",
+    "ConnectionBudget",
+    "ConnectionGuard",
+    "guarded_config",
+    "guarded_protocol",
+]
+
+log = logging.getLogger(__name__)
+
+# setting -> environment variable
+ENV_NAMES: dict[str, str] = {
+    "max_connections": "KVBRIDGE_MAX_CONNECTIONS",
+    "first_byte_timeout": "KVBRIDGE_FIRST_BYTE_TIMEOUT",
+    "head_timeout": "KVBRIDGE_HEAD_TIMEOUT",
+    "keep_alive_timeout": "KVBRIDGE_KEEP_ALIVE_TIMEOUT",
+}
+
+
+@dataclass(frozen=True)
+class ConnectionBudget:
+    """Limits of one server's connections (seconds, and a count)."""
+
+    max_connections: int = 1024
+    first_byte_timeout: float = 10.0
+    head_timeout: float = 10.0
+    keep_alive_timeout: float = 5.0
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **defaults: Any
+    ) -> ConnectionBudget:
+        """``defaults`` (a server's own) overridden by the ``KVBRIDGE_*`` variables."""
+        environ = os.environ if environ is None else environ
+        budget = replace(cls(), **defaults)
+        values: dict[str, Any] = {}
+        for name, env in ENV_NAMES.items():
+            raw = environ.get(env, "")
+            if raw:
+                try:
+                    values[name] = int(raw) if name == "max_connections" else float(raw)
+                except ValueError:
+                    raise ConfigError(f"{env}={raw!r} is not a number") from None
+        return replace(budget, **values).validated()
+
+    def validated(self) -> ConnectionBudget:
+        if self.max_connections < 1:
+            raise ConfigError(f"max_connections must be at least 1, got {self.max_connections}")
+        for name in ("first_byte_timeout", "head_timeout", "keep_alive_timeout"):
+            value = getattr(self, name)
+            if not 0 < value <= 3600:
+                raise ConfigError(f"{name} must be in (0, 3600] seconds, got {value}")
+        return self
+
+
+class ConnectionGuard:
+    """The connections of one server, least recently active first."""
+
+    def __init__(self, budget: ConnectionBudget, name: str) -> None:
+        self.budget = budget
+        self.name = name
+        self._conns: dict[_GuardMixin, None] = {}
+        self.evicted = 0  # closed to make room at the cap
+        self.timed_out = 0  # closed for a missed first-byte or head deadline
+
+    def __len__(self) -> int:
+        return len(self._conns)
+
+    def admit(self, conn: _GuardMixin) -> None:
+        if len(self._conns) >= self.budget.max_connections:
+            for old in self._conns:  # oldest first; ones busy with a request are skipped
+                if old._guard_idle():
+                    self.evicted += 1
+                    if self.evicted == 1 or self.evicted % 1000 == 0:
+                        log.warning(
+                            "%s: %d connections (the cap): closed the one idle the "
+                            "longest (%d so far)",
+                            self.name,
+                            len(self._conns),
+                            self.evicted,
+                        )
+                    self.remove(old)
+                    old._guard_close()
+                    break
+        self._conns[conn] = None
+
+    def touch(self, conn: _GuardMixin) -> None:
+        """``conn`` just became idle: it is now the newest idle connection."""
+        if self._conns.pop(conn, False) is None:
+            self._conns[conn] = None
+
+    def remove(self, conn: _GuardMixin) -> None:
+        self._conns.pop(conn, None)
+
+
+class _GuardMixin:
+    """Goes before uvicorn's ``HttpToolsProtocol`` (or a subclass) in the bases."""
+
+    guard: ConnectionGuard
+    # provided by the uvicorn protocol
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+    cycle: Any
+    pipeline: Any
+    connections: set[Any]
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # type: ignore[misc]
+        self._guard_timer: asyncio.TimerHandle | None = None
+        self._guard_in_head = False
+        self.guard.admit(self)
+        self._guard_arm(self.guard.budget.first_byte_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._guard_in_head and self._guard_idle():
+            # The first bytes of a request head: it has head_timeout to be complete.
+            self._guard_in_head = True
+            self._guard_arm(self.guard.budget.head_timeout)
+        super().data_received(data)  # type: ignore[misc]
+
+    def on_headers_complete(self) -> None:
+        self._guard_in_head = False
+        self._guard_cancel()
+        super().on_headers_complete()  # type: ignore[misc]
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        # Idle again: uvicorn's keep-alive timer (keep_alive_timeout) now runs.
+        self.guard.touch(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._guard_cancel()
+        self.guard.remove(self)
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _guard_idle(self) -> bool:
+        """No request in flight and no head started: safe to close."""
+        if self._guard_in_head or self.pipeline:
+            return False
+        return self.cycle is None or self.cycle.response_complete
+
+    def _guard_arm(self, delay: float) -> None:
+        self._guard_cancel()
+        self._guard_timer = self.loop.call_later(delay, self._guard_expired)
+
+    def _guard_cancel(self) -> None:
+        if self._guard_timer is not None:
+            self._guard_timer.cancel()
+            self._guard_timer = None
+
+    def _guard_expired(self) -> None:
+        self._guard_timer = None
+        if self._guard_in_head or (self.cycle is None and not self.pipeline):
+            self.guard.timed_out += 1
+            self._guard_close()
+
+    def _guard_close(self) -> None:
+        # abort, not close: an idle TLS peer never answers close_notify, and until it
+        # would, the connection keeps its memory and its place in uvicorn's count.
+        self._guard_cancel()
+        self.connections.discard(self)
+        self.transport.abort()
+
+
+def guarded_protocol(base: type, budget: ConnectionBudget, name: str) -> type:
+    """A subclass of the uvicorn HTTP protocol ``base`` with its own ``ConnectionGuard``
+    (one per server: pass it as uvicorn's ``http``). The guard is the class's ``guard``."""
+    return type(
+        f"Guarded{base.__name__}", (_GuardMixin, base), {"guard": ConnectionGuard(budget, name)}
+    )
+
+
+def guarded_config(name: str, budget: ConnectionBudget | None = None) -> dict[str, Any]:
+    """uvicorn ``Config`` keywords for a server under ``budget`` (default: from the
+    environment): its guarded httptools protocol and keep-alive timeout."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    budget = budget or ConnectionBudget.from_env()
+    return {
+        "http": guarded_protocol(HttpToolsProtocol, budget, name),
+        "timeout_keep_alive": budget.keep_alive_timeout,
+    }

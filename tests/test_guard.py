@@ -1,0 +1,145 @@
+"""Connection budgets (kvbridge.guard) on a real side-channel server and a real uvicorn
+engine-API server: idle floods, slowloris heads, the cap and its eviction order."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from kvbridge.config import TLSConfig
+from kvbridge.errors import ConfigError
+from kvbridge.guard import ConnectionBudget, guarded_config
+from kvbridge.handshake.http import HttpHandshakeClient, HttpHandshakeServer
+from kvbridge.server.api import BackgroundServer
+from tests.helpers import compat, full_store
+
+HOST = "127.0.0.1"
+TOKEN = "guard-token"
+
+
+def _server(budget: ConnectionBudget, tls: TLSConfig | None = None) -> HttpHandshakeServer:
+    server = HttpHandshakeServer(full_store(1), HOST, 0, token=TOKEN, tls=tls, budget=budget)
+    server.start()
+    return server
+
+
+@contextlib.contextmanager
+def _open(port: int, n: int) -> Iterator[list[socket.socket]]:
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            socks.append(socket.create_connection((HOST, port)))
+        yield socks
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _closed_by_peer(s: socket.socket, within: float = 30.0) -> bool:
+    """True once the server closed ``s`` (EOF or reset), False if it still holds it."""
+    s.settimeout(within)
+    try:
+        while True:
+            data = s.recv(4096)
+            if not data:
+                return True
+    except (ConnectionResetError, ssl.SSLError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_idle_flood_does_not_deny_a_handshake(certs):
+    budget = ConnectionBudget(max_connections=64, first_byte_timeout=60, head_timeout=60)
+    server = _server(budget)
+    client = HttpHandshakeClient(10.0, compat(), TOKEN)
+    try:
+        with _open(server.port, 300) as flood:
+            start = time.monotonic()
+            metas = client.fetch(HOST, server.port)
+            took = time.monotonic() - start
+            assert len(metas) == 1 and took < 2.0, took
+            # the oldest idle connections were the ones closed to make room
+            assert _closed_by_peer(flood[0])
+            assert not _closed_by_peer(flood[-1], within=0.2)
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_silent_and_slowloris_connections_are_closed():
+    budget = ConnectionBudget(first_byte_timeout=0.5, head_timeout=0.5)
+    server = _server(budget)
+    try:
+        with _open(server.port, 2) as (silent, slow):
+            slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never ends the head
+            assert _closed_by_peer(silent)
+            assert _closed_by_peer(slow)
+    finally:
+        server.stop()
+
+
+def test_idle_flood_over_mutual_tls(certs):
+    tls = TLSConfig(
+        str(certs / "prefill.pem"),
+        str(certs / "prefill.key"),
+        str(certs / "ca.pem"),
+        ssl.CERT_REQUIRED,
+    )
+    budget = ConnectionBudget(max_connections=32, first_byte_timeout=60, head_timeout=60)
+    server = _server(budget, tls)
+    ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    ctx.load_cert_chain(str(certs / "decode.pem"), str(certs / "decode.key"))
+    client = HttpHandshakeClient(
+        10.0,
+        compat(),
+        TOKEN,
+        tls=TLSConfig(str(certs / "decode.pem"), str(certs / "decode.key"), str(certs / "ca.pem")),
+    )
+    flood: list[ssl.SSLSocket] = []
+    try:
+        for _ in range(100):
+            flood.append(
+                ctx.wrap_socket(socket.create_connection((HOST, server.port)), server_hostname=HOST)
+            )
+        start = time.monotonic()
+        assert len(client.fetch(HOST, server.port)) == 1
+        assert time.monotonic() - start < 2.0
+        assert _closed_by_peer(flood[0])
+    finally:
+        for s in flood:
+            s.close()
+        client.close()
+        server.stop()
+
+
+def test_engine_api_server_is_guarded():
+    async def ok(request):
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route("/health", ok)])
+    budget = ConnectionBudget(max_connections=16, first_byte_timeout=0.5, head_timeout=0.5)
+    with BackgroundServer(app, **guarded_config("api", budget)) as srv:
+        with _open(srv.port, 40) as flood:
+            assert httpx.get(srv.url + "/health", timeout=10).text == "ok"
+            assert _closed_by_peer(flood[-1])
+
+
+def test_budget_from_env():
+    b = ConnectionBudget.from_env(
+        {"KVBRIDGE_MAX_CONNECTIONS": "10", "KVBRIDGE_HEAD_TIMEOUT": "2.5"}, keep_alive_timeout=30.0
+    )
+    assert (b.max_connections, b.head_timeout, b.keep_alive_timeout) == (10, 2.5, 30.0)
+    with pytest.raises(ConfigError):
+        ConnectionBudget.from_env({"KVBRIDGE_FIRST_BYTE_TIMEOUT": "0"})
+    with pytest.raises(ConfigError):
+        ConnectionBudget.from_env({"KVBRIDGE_MAX_CONNECTIONS": "many"})
