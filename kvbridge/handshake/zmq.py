@@ -2,19 +2,22 @@
 
 Request: ``ZmqRequest`` (schema version, token, tp_rank or None for all ranks).
 Reply: ``ZmqReply`` (HTTP-style status, error text, envelope bytes). The
-envelope is the same as over http. ZMQ here has no TLS: see docs/security.md.
+envelope is the same as over http. ZMQ here has no TLS: see docs/security.md. The server
+speaks ZMTP itself (``_zmtp``) to bound what one peer's message can make it hold.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+import socket
 import time
 
 import msgspec
 import zmq
 
 from kvbridge.errors import HandshakeTimeout, WireFormatError
+from kvbridge.guard import ConnectionBudget
+from kvbridge.handshake._zmtp import ZmtpListener
 from kvbridge.handshake.base import (
     MAX_REQUEST_BYTES,
     HandshakeClient,
@@ -51,43 +54,45 @@ def _tcp(host: str, port: int) -> str:
 
 
 class ZmqHandshakeServer(HandshakeServer):
+    """Answers DEALER/REQ clients with our own ZMTP listener (``_zmtp``) rather than a
+    libzmq ROUTER: libzmq does not bound how many frames a message has."""
+
     method = "zmq"
 
     def __init__(self, store: MetadataStore, host: str, port: int, *, token: str | None = None,
-                 observer: Observer | None = None):
+                 observer: Observer | None = None, budget: ConnectionBudget | None = None):
         self._store = store
         self._observer = observer
         self._token = token
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # Oversized requests are dropped by libzmq before they reach us.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if ":" in host:
-            self._sock.setsockopt(zmq.IPV6, 1)
-        if port == 0:
-            self._port = self._sock.bind_to_random_port(_tcp(host, 0).rsplit(":", 1)[0])
-        else:
-            self._sock.bind(_tcp(host, port))
-            self._port = port
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host.strip("[]"), port))
+            self._sock.listen(2048)
+        except OSError:
+            self._sock.close()
+            raise
+        self._port = self._sock.getsockname()[1]
+        # A request is a delimiter and a payload of at most MAX_REQUEST_BYTES.
+        self._listener = ZmtpListener(self._sock, self._answer,
+                                      max_bytes=MAX_REQUEST_BYTES, budget=budget)
 
     @property
     def port(self) -> int:
         return self._port
 
+    @property
+    def dropped(self) -> int:
+        """Peers dropped for a message over the size or frame limit."""
+        return self._listener.dropped
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._serve, name="kvbridge-zmq-side-channel",
-                                        daemon=True)
-        self._thread.start()
+        self._listener.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        self._sock.close(linger=0)
+        self._listener.stop()
+        self._sock.close()
 
     def handle(self, payload: bytes) -> ZmqReply:
         try:
@@ -102,26 +107,21 @@ class ZmqHandshakeServer(HandshakeServer):
         reply = self._store.reply(req.tp_rank)
         return ZmqReply(reply.status, reply.error, reply.body)
 
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):  # wake up now and then to see the stop flag
-                continue
-            frames = self._sock.recv_multipart()
-            # DEALER/REQ clients send [empty delimiter, payload]; anything else is malformed.
-            ident, rest = frames[0], frames[1:]
-            payload = rest[-1] if rest else b""
-            delim = [b""] if len(rest) == 2 and rest[0] == b"" else []
-            well_formed = len(rest) == 1 or (len(rest) == 2 and rest[0] == b"")
-            try:
-                reply = self.handle(payload) if well_formed else ZmqReply(
-                    400, "malformed request: unexpected frames", b"")
-                self._sock.send_multipart([ident, *delim, _encoder.encode(reply)])
-                if self._observer is not None:
-                    self._observer("handshake", reply.status, len(reply.envelope))
-            except Exception:  # one bad peer must not stop the side channel
-                log.exception("side channel: failed to answer a request")
+    def _answer(self, frames: list[bytes]) -> list[bytes] | None:
+        # DEALER/REQ clients send [empty delimiter, payload]; anything else is malformed.
+        payload = frames[-1] if frames else b""
+        delim = [b""] if len(frames) == 2 and frames[0] == b"" else []
+        well_formed = len(frames) == 1 or (len(frames) == 2 and frames[0] == b"")
+        try:
+            reply = self.handle(payload) if well_formed else ZmqReply(
+                400, "malformed request: unexpected frames", b"")
+            out = [*delim, _encoder.encode(reply)]
+            if self._observer is not None:
+                self._observer("handshake", reply.status, len(reply.envelope))
+            return out
+        except Exception:  # one bad peer must not stop the side channel
+            log.exception("side channel: failed to answer a request")
+            return None
 
 
 class ZmqHandshakeClient(HandshakeClient):

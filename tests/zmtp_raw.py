@@ -1,0 +1,37 @@
+"""A raw ZMTP 3.0 peer over a plain socket, to send what no libzmq client would."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+GREETING = b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
+
+
+def frame(body: bytes, more: bool = False, command: bool = False) -> bytes:
+    flags = (1 if more else 0) | (4 if command else 0)
+    if len(body) > 255:
+        return bytes([flags | 2]) + struct.pack(">Q", len(body)) + body
+    return bytes([flags, len(body)]) + body
+
+
+READY = frame(b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER", command=True)
+
+
+def connect(host: str, port: int, timeout: float = 30.0) -> socket.socket:
+    """A connection past the greeting and READY, ready for message frames."""
+    s = socket.create_connection((host, port), timeout=timeout)
+    s.sendall(GREETING + READY)
+    return s
+
+
+def send_until_closed(s: socket.socket, frame_bytes: int, max_frames: int) -> int:
+    """One message of up to ``max_frames`` frames, never ended; the frames sent before
+    the peer closed the connection (``max_frames`` if it never did)."""
+    chunk = frame(b"\x00" * frame_bytes, more=True)
+    for i in range(max_frames):
+        try:
+            s.sendall(chunk)
+        except OSError:  # reset or broken pipe: the server dropped us
+            return i
+    return max_frames
