@@ -129,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--client-cert", nargs=2, metavar=("CERT", "KEY"),
                    help="client certificate for engines that require one")
     x.add_argument("--timeout", type=float, default=300.0)
+    x.add_argument("--prefill-timeout", type=float, default=None,
+                   help="seconds the prefill hop may take before the client gets a 504 "
+                        "(default: --timeout)")
     x.add_argument("--no-prewarm", dest="prewarm", action="store_false",
                    help="don't ask decodes to handshake with every prefill at start-up")
     x.add_argument("--kv-token-file", help="side-channel token file (mode 600), sent to the "
@@ -307,12 +310,15 @@ def _proxy(args: argparse.Namespace) -> int:
 
     if not 0 < args.timeout < float("inf"):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.prefill_timeout is not None and not 0 < args.prefill_timeout < float("inf"):
+        raise ConfigError("--prefill-timeout must be a positive number of seconds, got "
+                          f"{args.prefill_timeout}")
     token = SideChannelConfig.load({"token_file": args.kv_token_file}).token
     check_port_free(args.host, args.port, "--port")
     run_proxy(args.prefill, args.decode, host=args.host, port=args.port, ca_certs=args.ca_certs,
               client_cert=tuple(args.client_cert) if args.client_cert else None,
               timeout=args.timeout, log_level=args.log_level, prewarm=args.prewarm,
-              kv_token=token)
+              kv_token=token, prefill_timeout=args.prefill_timeout)
     return 0
 
 

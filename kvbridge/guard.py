@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -163,6 +164,26 @@ class _GuardMixin:
         self.guard.remove(self)
         super().connection_lost(exc)  # type: ignore[misc]
 
+    def timeout_keep_alive_handler(self) -> None:
+        # After the process was stopped (SIGSTOP, a long GC pause), uvloop runs expired
+        # timers before it reads sockets: a request that arrived meanwhile would be cut
+        # unread ("Server disconnected without sending a response"). Wait for it instead.
+        if self._guard_pending():
+            self.timeout_keep_alive_task = self.loop.call_later(  # type: ignore[attr-defined]
+                self.guard.budget.keep_alive_timeout, self.timeout_keep_alive_handler
+            )
+            return
+        super().timeout_keep_alive_handler()  # type: ignore[misc]
+
+    def _guard_pending(self) -> bool:
+        """Bytes (or an EOF) wait unread in the socket."""
+        sock = self.transport.get_extra_info("socket")
+        try:
+            readable, _, _ = select.select([sock.fileno()], [], [], 0)
+        except (OSError, ValueError, AttributeError):
+            return False
+        return bool(readable)
+
     def _guard_idle(self) -> bool:
         """No request in flight and no head started: safe to close."""
         if self._guard_in_head or self.pipeline:
@@ -180,6 +201,9 @@ class _GuardMixin:
 
     def _guard_expired(self) -> None:
         self._guard_timer = None
+        if not self._guard_in_head and self._guard_pending():
+            self._guard_arm(self.guard.budget.first_byte_timeout)  # see the keep-alive timer
+            return
         if self._guard_in_head or (self.cycle is None and not self.pipeline):
             self.guard.timed_out += 1
             self._guard_close()

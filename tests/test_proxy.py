@@ -542,3 +542,99 @@ def test_deep_and_huge_bodies_are_400_and_413_without_calling_engines(
     r = client.post("/v1/completions", content=b'{"prompt": "' + b"x" * (9 << 20) + b'"}')
     assert r.status_code == 413, r.text
     assert prefill.calls == [] and decode.calls == []
+
+
+def test_prefill_timeout_is_a_504_naming_the_flag(serve: Serve) -> None:
+    (prefill,) = _engines(serve, "prefill", 1)
+    (decode,) = _engines(serve, "decode", 1)
+    prefill.hold = threading.Event()
+    try:
+        with _proxy(serve, [prefill], [decode], timeout=60.0, prefill_timeout=0.5) as client:
+            r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    finally:
+        prefill.hold.set()
+    assert r.status_code == 504
+    message = r.json()["error"]["message"]
+    assert prefill.url in message and "--prefill-timeout" in message
+    assert decode.calls == []
+
+
+class _ClosesFirstConnection:
+    """An HTTP/1.1 server that closes its first connection without a byte of answer (as an
+    engine closing an idle keep-alive connection just as a request crosses it), then
+    answers every request like a prefill."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        body = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": None}).encode()
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                if self.connections == 1:
+                    # closed unanswered: FIN first, so the client reads an end of stream
+                    conn.shutdown(socket.SHUT_WR)
+                    while conn.recv(65536):
+                        pass
+                    continue
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, rest = data.partition(b"\r\n\r\n")
+                length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length")), 0))
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body)
+                             + body)
+
+
+def test_request_closed_unanswered_is_sent_once_more(serve: Serve) -> None:
+    prefill = _ClosesFirstConnection()
+    (decode,) = _engines(serve, "decode", 1)
+    fake = FakeEngine("p0", "prefill")
+    fake.url = prefill.url
+    try:
+        with _proxy(serve, [fake], [decode], prewarm=False) as client:
+            r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    finally:
+        prefill.sock.close()
+    assert r.status_code == 200, r.text
+    assert prefill.connections == 2
+    assert len(decode.calls) == 1
+
+
+def test_prewarm_refused_for_want_of_the_token_is_counted_and_logged(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def info(request: Request) -> Response:
+        return JSONResponse({"side_channel_host": "127.0.0.1", "side_channel_port": 1,
+                             "handshake_method": "http"})
+
+    async def prewarm(request: Request) -> Response:
+        return JSONResponse({"error": {"message": "missing or invalid bearer token"}},
+                            status_code=401)
+
+    prefill_url = serve(Starlette(routes=[Route("/v1/kv/info", info)]))
+    decode_url = serve(Starlette(routes=[Route("/v1/kv/prewarm", prewarm, methods=["POST"])]))
+    app = build_proxy_app([prefill_url], [decode_url])
+    with caplog.at_level(logging.ERROR, logger="kvbridge.server.proxy"), \
+            httpx.Client(base_url=serve(app), timeout=10, trust_env=False) as client:
+        deadline = time.monotonic() + 30
+        while not client.get("/v1/kv/prewarm").json()["done"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        metrics = client.get("/metrics").text
+    assert 'kvbridge_proxy_prewarm_failures_total{reason="unauthorized"} 1.0' in metrics
+    assert any("--kv-token-file" in r.message for r in caplog.records)

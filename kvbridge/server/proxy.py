@@ -42,6 +42,7 @@ from kvbridge.guard import guarded_config
 from kvbridge.limits import read_json_body
 from kvbridge.params import KVTransferParams
 from kvbridge.server.api import check_request_body
+from kvbridge.server.upstream import CLIENT_KEEP_ALIVE, never_reached, send_retrying_once
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
@@ -60,8 +61,6 @@ DEFAULT_TIMEOUT = 300.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 _HEALTH_TIMEOUT = 5.0
 
-# Errors that prove a request never reached the engine (nothing was sent).
-_NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 
 _COMPLETIONS = "/v1/completions"
 _CHAT = "/v1/chat/completions"
@@ -205,8 +204,10 @@ class _Proxy:
         timeout: httpx.Timeout,
         prewarm: bool = True,
         kv_token: str | None = None,
+        prefill_timeout: float | None = None,
     ) -> None:
         self.prefill_urls = prefill_urls
+        self.prefill_timeout = prefill_timeout
         self.prewarm = prewarm
         self.kv_token = kv_token
         # (prefill url, decode url) -> "ok" or the reason it failed; filled in the background
@@ -220,6 +221,9 @@ class _Proxy:
         self.upstream_errors = Counter("kvbridge_proxy_upstream_errors",
                                        "Engines that could not be reached, by hop", ["stage"],
                                        registry=r)
+        self.prewarm_failures = Counter(
+            "kvbridge_proxy_prewarm_failures",
+            "Decode/prefill pairs whose prewarm failed, by reason", ["reason"], registry=r)
         self.releases = Counter("kvbridge_proxy_kv_releases",
                                 "Prefill holds released after a failed decode hop, by outcome",
                                 ["outcome"], registry=r)
@@ -243,7 +247,8 @@ class _Proxy:
             verify=self._verify,
             timeout=self._timeout,
             # Streams can be long-lived: don't make requests queue for a pool slot.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=100),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=100,
+                                keepalive_expiry=CLIENT_KEEP_ALIVE),
             # Engines are internal: don't route them through HTTP(S)_PROXY from the environment.
             trust_env=False,
         )
@@ -297,7 +302,14 @@ class _Proxy:
             await asyncio.sleep(delay)  # an engine still starting: try again shortly
             delay = min(2 * delay, 2.0)
         self.prewarmed[(p_url, d_url)] = outcome
-        if outcome != "ok":
+        if outcome.startswith(("401", "403")):
+            # The decodes require the side-channel token and we have none (or another):
+            # every first request to each pair will pay for the handshake. Say so loudly.
+            self.prewarm_failures.labels("unauthorized").inc()
+            log.error("prewarm of %s with %s refused (%s): give the proxy the side-channel "
+                      "token (--kv-token-file)", d_url, p_url, outcome)
+        elif outcome != "ok":
+            self.prewarm_failures.labels("other").inc()
             log.warning("prewarm of %s with %s: %s", d_url, p_url, outcome)
 
     async def prewarm_status(self, request: Request) -> Response:
@@ -350,15 +362,21 @@ class _Proxy:
         headers = self._engine_headers(request, request_id)
 
         prefill = next(self._prefills)
+        preq = self.client.build_request(
+            "POST", prefill + endpoint, content=_dumps(_prefill_body(body, endpoint)),
+            headers=headers,
+            timeout=self._timeout if self.prefill_timeout is None
+            else httpx.Timeout(self.prefill_timeout, connect=self._timeout.connect),
+        )
         try:
             with self.prefill_seconds.time():
-                presp = await self.client.post(
-                    prefill + endpoint, content=_dumps(_prefill_body(body, endpoint)),
-                    headers=headers,
-                )
+                presp = await send_retrying_once(self.client, preq)
         except httpx.HTTPError as exc:
             log.warning("request %s: prefill %s failed: %r", request_id, prefill, exc)
             self.upstream_errors.labels("prefill").inc()
+            if self.prefill_timeout is not None and isinstance(exc, httpx.TimeoutException):
+                return _error(504, f"prefill {prefill} did not answer within "
+                                   f"{self.prefill_timeout:g}s (--prefill-timeout)", "timeout")
             return _transport_error("prefill", prefill, exc)
         if not presp.is_success:
             message, etype, param = _upstream_reason(presp)
@@ -402,11 +420,11 @@ class _Proxy:
             "POST", decode + endpoint, content=_dumps(decode_body), headers=headers
         )
         try:
-            dresp = await self.client.send(dreq, stream=True)
+            dresp = await send_retrying_once(self.client, dreq, stream=True)
         except httpx.HTTPError as exc:
             log.warning("request %s: decode %s failed: %r", request_id, decode, exc)
             self.upstream_errors.labels("decode").inc()
-            if kv_params is not None and isinstance(exc, _NEVER_SENT):
+            if kv_params is not None and never_reached(exc):
                 self._release_later(prefill, kv_params, request_id)
             return _transport_error("decode", decode, exc)
         if kv_params is not None and dresp.status_code >= 400:
@@ -485,6 +503,7 @@ def build_proxy_app(
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     prewarm: bool = True,
     kv_token: str | None = None,
+    prefill_timeout: float | None = None,
 ) -> Starlette:
     """The P/D proxy as a Starlette app.
 
@@ -492,7 +511,8 @@ def build_proxy_app(
     (certfile, keyfile) pair presented for mTLS. ``timeout`` bounds each read/write towards an
     engine, ``connect_timeout`` each connection attempt. With ``prewarm`` the proxy tells
     every decode, at start-up, to handshake with every prefill (``kv_token``: the
-    side-channel token the decodes require for that).
+    side-channel token the decodes require for that). ``prefill_timeout`` bounds the
+    prefill hop alone (default: ``timeout``): past it the client gets a 504 saying so.
     """
     proxy = _Proxy(
         _check_urls("prefill", prefill_urls),
@@ -501,6 +521,7 @@ def build_proxy_app(
         httpx.Timeout(timeout, connect=connect_timeout),
         prewarm,
         kv_token,
+        prefill_timeout,
     )
     routes = [
         Route(_COMPLETIONS, proxy.completions_endpoint(_COMPLETIONS), methods=["POST"]),
@@ -531,6 +552,7 @@ def run_proxy(
     log_level: str = "info",
     prewarm: bool = True,
     kv_token: str | None = None,
+    prefill_timeout: float | None = None,
 ) -> None:
     """Serve the proxy with uvicorn until interrupted.
 
@@ -545,6 +567,7 @@ def run_proxy(
         connect_timeout=connect_timeout,
         prewarm=prewarm,
         kv_token=kv_token,
+        prefill_timeout=prefill_timeout,
     )
     scheme = "https" if ssl_certfile else "http"
     print(
