@@ -1,0 +1,278 @@
+"""Hostile load on real ``kvbridge serve`` processes and a real ``kvbridge proxy``, on
+loopback: idle-connection floods (plain and mutual TLS), slowloris heads, an endless ZMQ
+message, a frozen prefill under clients, and pathologically deep bodies.
+
+Each attack once, bounded; the only timed assertions are the ones the hardening issue
+names (a real handshake within 2 s during a flood).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvbridge.config import TLSConfig
+from kvbridge.handshake.http import HttpHandshakeClient
+from kvbridge.handshake.zmq import ZmqHandshakeClient
+from kvbridge.launch import KVBridgeProcess, free_port
+from tests import zmtp_raw
+from tests.conftest import ROOT
+from tests.e2e.conftest import PROMPTS, START_TIMEOUT, Serve
+from tests.e2e.conftest import complete as _complete
+from tests.e2e.test_soak import _rss_mib
+
+HOST = "127.0.0.1"
+FLOOD = 2100  # more than the side channel's old 2048 concurrency limit
+RSS_BOUND_MIB = 64
+# Short head deadline so the slowloris check is quick; the rest are the defaults.
+ENV = {"KVBRIDGE_HEAD_TIMEOUT": "3"}
+
+
+class Proxy(KVBridgeProcess):
+    def __init__(self, log_dir: Path, prefill: str, decode: str, token_file: Path):
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        super().__init__(
+            "hostile-proxy",
+            log_dir,
+            "proxy",
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            "--port",
+            str(self.port),
+            "--kv-token-file",
+            str(token_file),
+            env={**os.environ, "PYTHONPATH": str(ROOT), **ENV},
+        )
+
+
+def _side_channel(engine: Serve) -> int:
+    r = httpx.get(engine.url + "/v1/kv/info", verify=engine.verify, timeout=30)
+    return r.json()["side_channel_port"]
+
+
+@pytest.fixture(scope="module")
+def hostile(certs, token_file, serve_log_dir) -> Iterator[dict]:
+    side = (
+        "--side-channel-port",
+        "0",
+        "--side-channel-token-file",
+        str(token_file),
+        "--handshake-timeout",
+        "5",
+    )
+    procs = {
+        "p-plain": Serve(
+            "hostile-p-plain",
+            serve_log_dir,
+            "--role",
+            "prefill",
+            "--handshake",
+            "http",
+            *side,
+            env=ENV,
+        ),
+        "p-mtls": Serve(
+            "hostile-p-mtls",
+            serve_log_dir,
+            "--role",
+            "prefill",
+            "--handshake",
+            "http",
+            "--side-channel-ssl-cert-reqs",
+            "required",
+            *side,
+            tls=certs,
+            env=ENV,
+        ),
+        "p-zmq": Serve(
+            "hostile-p-zmq",
+            serve_log_dir,
+            "--role",
+            "prefill",
+            "--handshake",
+            "zmq",
+            *side,
+            env=ENV,
+        ),
+        "d": Serve("hostile-d", serve_log_dir, "--role", "decode", *side, env=ENV),
+    }
+    proxy = None
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        for p in procs.values():
+            p.wait_ready(deadline)
+        proxy = Proxy(serve_log_dir, procs["p-plain"].url, procs["d"].url, token_file)
+        proxy.wait_healthy(proxy.url + "/health", deadline)
+        yield {**procs, "proxy": proxy}
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for p in procs.values():
+            p.stop()
+
+
+def _handshake_seconds(client, port: int) -> float:
+    start = time.monotonic()
+    assert len(client.fetch(HOST, port)) == 1
+    return time.monotonic() - start
+
+
+def _closed_by_peer(s: socket.socket, within: float = 30.0) -> bool:
+    s.settimeout(within)
+    try:
+        while s.recv(4096):
+            pass
+        return True
+    except (ConnectionResetError, ssl.SSLError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_idle_flood_does_not_deny_a_real_handshake(hostile, token_file):
+    port = _side_channel(hostile["p-plain"])
+    client = HttpHandshakeClient(10, None, token_file.read_text())
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(FLOOD):
+            flood.append(socket.create_connection((HOST, port)))
+        assert _handshake_seconds(client, port) < 2.0
+        # the server sheds them (oldest idle first at the cap, the rest at their deadline)
+        assert _closed_by_peer(flood[0])
+    finally:
+        for s in flood:
+            s.close()
+        client.close()
+
+
+def test_slowloris_is_closed(hostile):
+    port = _side_channel(hostile["p-plain"])
+    for target in (port, hostile["p-plain"].port, hostile["proxy"].port):
+        with socket.create_connection((HOST, target)) as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-a: ")  # and never more
+            assert _closed_by_peer(s), target
+
+
+def test_idle_mutual_tls_flood_and_memory(hostile, certs, token_file):
+    engine = hostile["p-mtls"]
+    port = _side_channel(engine)
+    ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    ctx.load_cert_chain(str(certs / "decode.pem"), str(certs / "decode.key"))
+    client = HttpHandshakeClient(
+        10,
+        None,
+        token_file.read_text(),
+        tls=TLSConfig(str(certs / "decode.pem"), str(certs / "decode.key"), str(certs / "ca.pem")),
+    )
+    rss0 = _rss_mib(engine.proc.pid)
+    flood: list[ssl.SSLSocket] = []
+    try:
+        for _ in range(FLOOD):
+            flood.append(
+                ctx.wrap_socket(socket.create_connection((HOST, port)), server_hostname=HOST)
+            )
+        assert _handshake_seconds(client, port) < 2.0
+        assert _closed_by_peer(flood[0])
+    finally:
+        for s in flood:
+            s.close()
+        client.close()
+    # memory comes back once the connections are gone (not ~1 GB kept)
+    assert _wait_rss_below(engine.proc.pid, rss0 + RSS_BOUND_MIB), (rss0, _rss_mib(engine.proc.pid))
+
+
+def _wait_rss_below(pid: int, bound: float, within: float = 30.0) -> bool:
+    deadline = time.monotonic() + within
+    while _rss_mib(pid) >= bound:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_endless_zmq_message_is_dropped_and_memory_returns(hostile, token_file):
+    engine = hostile["p-zmq"]
+    port = _side_channel(engine)
+    rss0 = _rss_mib(engine.proc.pid)
+    peak = rss0
+    with zmtp_raw.connect(HOST, port) as s:
+        chunk = zmtp_raw.frame(b"\x00" * 16 * 1024, more=True)
+        for i in range(20_000):  # 320 MB if nobody stops it
+            try:
+                s.sendall(chunk)
+            except OSError:
+                break
+            if i % 1000 == 0:
+                peak = max(peak, _rss_mib(engine.proc.pid))
+    peak = max(peak, _rss_mib(engine.proc.pid))
+    assert i < 20_000 - 1, "the server never dropped the endless message"
+    assert peak - rss0 < RSS_BOUND_MIB, (rss0, peak)
+    assert _wait_rss_below(engine.proc.pid, rss0 + RSS_BOUND_MIB / 4)
+    assert len(ZmqHandshakeClient(10, None, token_file.read_text()).fetch(HOST, port)) == 1
+
+
+def test_deep_bodies_are_400(hostile):
+    for url in (hostile["proxy"].url, hostile["d"].url, hostile["p-plain"].url):
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            r = httpx.post(
+                url + path,
+                content=b"[" * 100_000,
+                timeout=30,
+                headers={"content-type": "application/json"},
+            )
+            assert r.status_code == 400, (url, path, r.text)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.slow
+def test_frozen_prefill_under_clients_loses_no_request(hostile):
+    """8 clients through the proxy; the prefill is stopped for 10 s, then resumed: every
+    request completes (those caught in the freeze wait for it)."""
+    prefill, proxy = hostile["p-plain"], hostile["proxy"]
+    clients = 8
+    resumed = threading.Event()
+    after_resume = [0] * clients
+    started = [threading.Event() for _ in range(clients)]
+    failures: list[str] = []
+    done = 0
+
+    def client(i: int) -> int:
+        n = 0
+        while after_resume[i] < 3:
+            prompt = PROMPTS[(i + n) % len(PROMPTS)]
+            try:
+                _complete(proxy.url, prompt, stream=bool(n % 2))
+            except (AssertionError, httpx.HTTPError) as e:
+                failures.append(f"{type(e).__name__}: {e}")
+            n += 1
+            started[i].set()
+            if resumed.is_set():
+                after_resume[i] += 1
+        return n
+
+    with cf.ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(client, i) for i in range(clients)]
+        for e in started:
+            assert e.wait(120)
+        os.kill(prefill.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(10)  # the freeze itself
+        finally:
+            os.kill(prefill.proc.pid, signal.SIGCONT)
+        resumed.set()
+        done = sum(f.result(timeout=240) for f in futures)
+    assert done > clients
+    assert failures == []
