@@ -20,6 +20,8 @@ The guard wraps uvicorn's HTTP protocol and adds, per connection and per server:
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import gc
 import logging
 import os
 import select
@@ -99,20 +101,25 @@ class ConnectionGuard:
 
     def admit(self, conn: _GuardMixin) -> None:
         if len(self._conns) >= self.budget.max_connections:
-            for old in self._conns:  # oldest first; ones busy with a request are skipped
-                if old._guard_idle():
-                    self.evicted += 1
-                    if self.evicted == 1 or self.evicted % 1000 == 0:
-                        log.warning(
-                            "%s: %d connections (the cap): closed the one idle the "
-                            "longest (%d so far)",
-                            self.name,
-                            len(self._conns),
-                            self.evicted,
-                        )
-                    self.remove(old)
-                    old._guard_close()
+            victim = None
+            for old in self._conns:  # least recently active first
+                state = old._guard_state()
+                if state == "idle":
+                    victim = old
                     break
+                if state == "head" and victim is None:
+                    victim = old  # a head still incomplete: closed only if none is idle
+            if victim is not None:
+                self.evicted += 1
+                if self.evicted == 1 or self.evicted % 1000 == 0:
+                    log.warning(
+                        "%s: %d connections (the cap): closed the one idle the longest (%d so far)",
+                        self.name,
+                        len(self._conns),
+                        self.evicted,
+                    )
+                self.remove(victim)
+                victim._guard_close()
         self._conns[conn] = None
 
     def touch(self, conn: _GuardMixin) -> None:
@@ -121,7 +128,50 @@ class ConnectionGuard:
             self._conns[conn] = None
 
     def remove(self, conn: _GuardMixin) -> None:
-        self._conns.pop(conn, None)
+        if self._conns.pop(conn, False) is None:
+            _TRIMMER.closed()
+
+
+class _Trimmer:
+    """Gives freed heap back to the OS after a burst of closed connections.
+
+    A closed TLS connection's buffers and SSL state wait for the cycle collector, and once
+    freed glibc keeps the pages in its arenas: after a flood of mutual-TLS connections the
+    process stayed near its peak for good. A collection and ``malloc_trim`` give them
+    back; they take milliseconds, so they run at most once a second and only after
+    ``BURST`` connections closed."""
+
+    BURST = 256
+
+    def __init__(self) -> None:
+        self._closed = 0
+        self._scheduled = False
+        self._trim: Any = None
+        try:
+            self._trim = ctypes.CDLL(None).malloc_trim  # glibc only
+        except (OSError, AttributeError):
+            pass
+
+    def closed(self) -> None:
+        self._closed += 1
+        if self._trim is None or self._scheduled or self._closed < self.BURST:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._scheduled = True
+        loop.call_later(1.0, self._run)
+
+    def _run(self) -> None:
+        self._closed, self._scheduled = 0, False
+        # Closed transports and their protocols reference each other: only the cycle
+        # collector frees them (and their SSL objects), and an idle server rarely runs it.
+        gc.collect()
+        self._trim(0)
+
+
+_TRIMMER = _Trimmer()
 
 
 class _GuardMixin:
@@ -143,7 +193,7 @@ class _GuardMixin:
         self._guard_arm(self.guard.budget.first_byte_timeout)
 
     def data_received(self, data: bytes) -> None:
-        if not self._guard_in_head and self._guard_idle():
+        if self._guard_state() == "idle":
             # The first bytes of a request head: it has head_timeout to be complete.
             self._guard_in_head = True
             self._guard_arm(self.guard.budget.head_timeout)
@@ -184,11 +234,14 @@ class _GuardMixin:
             return False
         return bool(readable)
 
-    def _guard_idle(self) -> bool:
-        """No request in flight and no head started: safe to close."""
-        if self._guard_in_head or self.pipeline:
-            return False
-        return self.cycle is None or self.cycle.response_complete
+    def _guard_state(self) -> str:
+        """``idle`` (nothing in flight), ``head`` (a request head still incomplete) or
+        ``busy`` (a request being served: never closed by the guard)."""
+        if self._guard_in_head:
+            return "head"
+        if self.pipeline or not (self.cycle is None or self.cycle.response_complete):
+            return "busy"
+        return "idle"
 
     def _guard_arm(self, delay: float) -> None:
         self._guard_cancel()

@@ -45,7 +45,7 @@ def _goals(data: dict) -> None:
 
 
 def test_every_benchmark_is_registered():
-    assert set(BENCHMARKS) == {"handshake", "sidechannel", "transfer", "serve"}
+    assert set(BENCHMARKS) == {"handshake", "sidechannel", "transfer", "serve", "hostile"}
 
 
 def test_handshake(tmp_path):
@@ -140,3 +140,13 @@ def test_without_matplotlib_the_json_is_still_written(tmp_path):
     data = json.loads((tmp_path / "transfer.json").read_text())
     assert data["benchmark"] == "transfer" and data["results"]
     assert not (tmp_path / "transfer.png").exists()
+
+
+def test_hostile(tmp_path):
+    d = _run("hostile", tmp_path)
+    _goals(d)
+    for name in ("idle_flood", "mtls_flood", "slowloris", "zmq_endless"):
+        a = d["attacks"][name]
+        assert a["handshakes_failed"] == 0, (name, a)
+        _positive(a["handshake_ms"]["p50"], a["rss_mib"]["before"], a["rss_mib"]["after"])
+    assert d["attacks"]["zmq_endless"]["dropped"] is True

@@ -194,8 +194,8 @@ class _Conn:
         self.idle = True  # nothing in flight until a message starts
         self.peer = writer.get_extra_info("peername")
 
-    def _guard_idle(self) -> bool:
-        return self.idle
+    def _guard_state(self) -> str:
+        return "idle" if self.idle else "head"  # a message is answered as soon as read
 
     def _guard_close(self) -> None:
         self.writer.transport.abort()

@@ -15,10 +15,13 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
+from kvbridge.server.api import BackgroundServer
+from kvbridge.server.proxy import build_proxy_app
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.conftest import complete as _complete
-from tests.e2e.test_pd import _proxy, _wait_blocks_back
+from tests.e2e.test_pd import _wait_blocks_back
 
 SECONDS = float(os.environ.get("KVBRIDGE_SOAK_SECONDS", "12"))
 CLIENTS = int(os.environ.get("KVBRIDGE_SOAK_CLIENTS", "8"))
@@ -39,11 +42,19 @@ def _rss_mib(pid: int) -> float:
     return total / 1024
 
 
-def test_soak(cluster, reference, certs):
+def _proxy(p, d, certs: Path, token: str) -> BackgroundServer:
+    """The proxy as deployed: https to the engines, the side-channel token for prewarm."""
+    return BackgroundServer(build_proxy_app([p.url], [d.url], ca_certs=str(certs / "ca.pem"),
+                                            kv_token=token))
+
+
+# The suite's per-test timeout is 300 s: the long form needs its duration on top.
+@pytest.mark.timeout(int(2 * SECONDS) + 300)
+def test_soak(cluster, reference, certs, token_file):
     p, d = cluster["p2-http"], cluster["d1"]
     start = {e.name: e.metric("kvbridge_blocks_free") for e in (p, d)}
     done, failures = 0, []
-    with _proxy(cluster, certs, p.name, d.name) as proxy:
+    with _proxy(p, d, certs, token_file.read_text()) as proxy:
         def client(i: int) -> tuple[int, list[str]]:
             n, errs = 0, []
             with httpx.Client(timeout=60):
@@ -58,6 +69,12 @@ def test_soak(cluster, reference, certs):
                     n += 1
             return n, errs
 
+        deadline = time.monotonic() + 60
+        with httpx.Client() as c:
+            while not (status := c.get(proxy.url + "/v1/kv/prewarm").json())["done"]:
+                assert time.monotonic() < deadline, status
+                time.sleep(0.05)
+        assert [pair["outcome"] for pair in status["pairs"]] == ["ok"], status
         # warm-up, then the memory baseline
         stop = time.monotonic() + min(3.0, SECONDS / 4)
         with cf.ThreadPoolExecutor(CLIENTS) as pool:
