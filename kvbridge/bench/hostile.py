@@ -145,13 +145,14 @@ def _zmq_endless(
     ready_body = b"\x05READY\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
     chunk = b"\x03" + (16 * 1024).to_bytes(8, "big") + b"\x00" * 16 * 1024  # MORE | LONG
     before = peak = _rss(pid)
-    sent = 0
+    sent, stop = 0, "not dropped"
     with socket.create_connection((HOST, port), timeout=30) as s:
         s.sendall(greeting + bytes([0x04, len(ready_body)]) + ready_body)
         for sent in range(1, frames + 1):
             try:
                 s.sendall(chunk)
-            except OSError:
+            except OSError as e:
+                stop = f"{type(e).__name__}: {e}"
                 break
             if sent % 1000 == 0:
                 peak = max(peak, _rss(pid))
@@ -162,6 +163,7 @@ def _zmq_endless(
         "frames_tried": frames,
         "frames_sent_before_drop": sent,
         "dropped": sent < frames,
+        "stop": stop,
         "handshake_ms": percentiles(times),
         "handshakes_failed": failed,
         "rss_mib": {"before": before, "peak": peak, "after": after},
