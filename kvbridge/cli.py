@@ -82,6 +82,32 @@ def _multinode(args: argparse.Namespace, side: SideChannelConfig) -> MultiNodeCo
     return mn
 
 
+def _budget_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("connection budgets of every server of the process "
+                             "(env: KVBRIDGE_MAX_CONNECTIONS, ...; docs/configuration.md)")
+    g.add_argument("--max-connections", type=int,
+                   help="connections per server; at the cap the oldest idle is closed "
+                        "(default 1024)")
+    g.add_argument("--first-byte-timeout", type=float,
+                   help="seconds a new connection may wait before its first request (10)")
+    g.add_argument("--head-timeout", type=float,
+                   help="seconds a request head may take once started (10)")
+    g.add_argument("--keep-alive-timeout", type=float,
+                   help="seconds an idle keep-alive connection is kept (5; side channel 30)")
+
+
+def _apply_budget_flags(args: argparse.Namespace) -> None:
+    """Flags win over the environment: they are put there, where every server of this
+    process reads its budget (kvbridge.guard.ConnectionBudget.from_env)."""
+    from kvbridge.guard import ENV_NAMES, ConnectionBudget
+
+    for name, env in ENV_NAMES.items():
+        value = getattr(args, name, None)
+        if value is not None:
+            os.environ[env] = str(value)
+    ConnectionBudget.from_env()  # a bad value is reported now, not at the first server
+
+
 def _tls_flags(p: argparse.ArgumentParser, what: str) -> None:
     g = p.add_argument_group(f"TLS of the {what} (uvicorn-style)")
     g.add_argument("--ssl-certfile")
@@ -119,6 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     _multinode_flags(s)
     _side_channel_flags(s)
     _tls_flags(s, "API server (the side channel uses them too unless given its own)")
+    _budget_flags(s)
 
     x = sub.add_parser("proxy", help="OpenAI-compatible proxy: prefill, then decode")
     x.add_argument("--prefill", nargs="+", required=True, metavar="URL")
@@ -134,6 +161,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: --timeout)")
     x.add_argument("--no-prewarm", dest="prewarm", action="store_false",
                    help="don't ask decodes to handshake with every prefill at start-up")
+    _budget_flags(x)
     x.add_argument("--kv-token-file", help="side-channel token file (mode 600), sent to the "
                    "decodes' /v1/kv/prewarm (env: KVBRIDGE_SIDE_CHANNEL_TOKEN[_FILE])")
 
@@ -202,6 +230,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    _apply_budget_flags(args)
     api_tls = TLSConfig(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs,
                         parse_cert_reqs(args.ssl_cert_reqs))
     flags = {k: getattr(args, k) for k in ("handshake_method", "handshake_timeout",
@@ -307,6 +336,8 @@ def _check_serve_sizes(args: argparse.Namespace) -> None:
 
 def _proxy(args: argparse.Namespace) -> int:
     from kvbridge.server.proxy import run_proxy
+
+    _apply_budget_flags(args)
 
     if not 0 < args.timeout < float("inf"):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")

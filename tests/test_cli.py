@@ -126,3 +126,17 @@ def test_serve_refuses_a_bad_progress_delay():
     out = _kvbridge("serve", "--side-channel-port", "0", "--port", "0",
                     env={"KVBRIDGE_NIXL_PROGRESS_DELAY_US": "fast"})
     _one_line_exit_2(out, "KVBRIDGE_NIXL_PROGRESS_DELAY_US")
+
+
+@pytest.mark.parametrize(("command", "args", "env", "message"), [
+    ("serve", ["--max-connections", "0"], {}, "max_connections"),
+    ("serve", [], {"KVBRIDGE_HEAD_TIMEOUT": "soon"}, "KVBRIDGE_HEAD_TIMEOUT"),
+    ("proxy", ["--prefill", "http://a:1", "--decode", "http://b:2", "--first-byte-timeout",
+               "-1"], {}, "first_byte_timeout"),
+    ("proxy", ["--prefill", "http://a:1", "--decode", "http://b:2", "--prefill-timeout",
+               "0"], {}, "--prefill-timeout"),
+])
+def test_connection_budgets_are_checked_at_start_up(command, args, env, message):
+    out = _kvbridge(command, *args, env=env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "configuration error" in out.stderr and message in out.stderr
