@@ -229,10 +229,11 @@ class _GuardMixin:
         """Bytes (or an EOF) wait unread in the socket."""
         sock = self.transport.get_extra_info("socket")
         try:
-            readable, _, _ = select.select([sock.fileno()], [], [], 0)
+            poller = select.poll()  # not select.select: descriptors past 1024 are common here
+            poller.register(sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
         except (OSError, ValueError, AttributeError):
             return False
-        return bool(readable)
 
     def _guard_state(self) -> str:
         """``idle`` (nothing in flight), ``head`` (a request head still incomplete) or
