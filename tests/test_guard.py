@@ -3,9 +3,14 @@ engine-API server: idle floods, slowloris heads, the cap and its eviction order.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
+import os
+import signal
 import socket
 import ssl
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -20,6 +25,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.guard import ConnectionBudget, guarded_config
 from kvbridge.handshake.http import HttpHandshakeClient, HttpHandshakeServer
 from kvbridge.server.api import BackgroundServer
+from tests.conftest import ROOT
 from tests.helpers import compat, full_store
 
 HOST = "127.0.0.1"
@@ -143,3 +149,58 @@ def test_budget_from_env():
         ConnectionBudget.from_env({"KVBRIDGE_FIRST_BYTE_TIMEOUT": "0"})
     with pytest.raises(ConfigError):
         ConnectionBudget.from_env({"KVBRIDGE_MAX_CONNECTIONS": "many"})
+
+
+_STOPPABLE_SERVER = """
+import socket, sys, uvicorn
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from kvbridge.guard import ConnectionBudget, guarded_config
+
+async def ok(request):
+    return PlainTextResponse("ok")
+
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen(16)
+print(sock.getsockname()[1], flush=True)
+config = uvicorn.Config(Starlette(routes=[Route("/ok", ok)]), log_level="warning",
+                        **guarded_config("api", ConnectionBudget(keep_alive_timeout=1.0)))
+uvicorn.Server(config).run(sockets=[sock])
+"""
+
+
+def test_request_sent_to_a_stopped_server_is_answered_after_it_resumes():
+    """The request reaches a keep-alive connection whose timer expires while the server
+    process is stopped (SIGSTOP): on resume it is answered, not cut unread."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STOPPABLE_SERVER],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        url = f"http://{HOST}:{int(proc.stdout.readline())}"
+        with httpx.Client(base_url=url, timeout=30) as client:
+            deadline = time.monotonic() + 60
+            while True:  # until uvicorn serves (the socket listens from the start)
+                try:
+                    assert client.get("/ok").text == "ok"
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            # the connection is idle now, with a keep-alive of 1 s
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                with cf.ThreadPoolExecutor(1) as pool:
+                    pending = pool.submit(client.get, "/ok")  # waits in the kernel's buffer
+                    time.sleep(2)  # the stop itself, past the keep-alive timeout
+                    proc.send_signal(signal.SIGCONT)
+                    assert pending.result(timeout=30).text == "ok"
+            finally:
+                proc.send_signal(signal.SIGCONT)
+    finally:
+        proc.terminate()
+        proc.wait(30)

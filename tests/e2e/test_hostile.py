@@ -268,8 +268,14 @@ def test_frozen_prefill_under_clients_loses_no_request(hostile):
         for e in started:
             assert e.wait(120)
         os.kill(prefill.proc.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
         try:
-            time.sleep(10)  # the freeze itself
+            # Health checks answer during the freeze, and name the frozen prefill.
+            with httpx.Client(timeout=30) as c:
+                assert c.get(proxy.url + "/health").status_code == 200
+                r = c.get(proxy.url + "/healthz/backends")
+            assert r.status_code == 503 and not r.json()["prefill"][0]["ok"], r.text
+            time.sleep(max(0.0, 10 - (time.monotonic() - frozen_at)))  # the freeze itself
         finally:
             os.kill(prefill.proc.pid, signal.SIGCONT)
         resumed.set()
