@@ -591,13 +591,22 @@ class _ClosesFirstConnection:
                 while b"\r\n\r\n" not in data:
                     data += conn.recv(65536)
                 head, _, rest = data.partition(b"\r\n\r\n")
-                length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
-                                   if line.lower().startswith(b"content-length")), 0))
+                length = int(
+                    next(
+                        (
+                            line.split(b":")[1]
+                            for line in head.split(b"\r\n")
+                            if line.lower().startswith(b"content-length")
+                        ),
+                        0,
+                    )
+                )
                 while len(rest) < length:
                     rest += conn.recv(65536)
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                             b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body)
-                             + body)
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+                )
 
 
 def test_request_closed_unanswered_is_sent_once_more(serve: Serve) -> None:
@@ -619,18 +628,22 @@ def test_prewarm_refused_for_want_of_the_token_is_counted_and_logged(
     serve: Serve, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def info(request: Request) -> Response:
-        return JSONResponse({"side_channel_host": "127.0.0.1", "side_channel_port": 1,
-                             "handshake_method": "http"})
+        return JSONResponse(
+            {"side_channel_host": "127.0.0.1", "side_channel_port": 1, "handshake_method": "http"}
+        )
 
     async def prewarm(request: Request) -> Response:
-        return JSONResponse({"error": {"message": "missing or invalid bearer token"}},
-                            status_code=401)
+        return JSONResponse(
+            {"error": {"message": "missing or invalid bearer token"}}, status_code=401
+        )
 
     prefill_url = serve(Starlette(routes=[Route("/v1/kv/info", info)]))
     decode_url = serve(Starlette(routes=[Route("/v1/kv/prewarm", prewarm, methods=["POST"])]))
     app = build_proxy_app([prefill_url], [decode_url])
-    with caplog.at_level(logging.ERROR, logger="kvbridge.server.proxy"), \
-            httpx.Client(base_url=serve(app), timeout=10, trust_env=False) as client:
+    with (
+        caplog.at_level(logging.ERROR, logger="kvbridge.server.proxy"),
+        httpx.Client(base_url=serve(app), timeout=10, trust_env=False) as client,
+    ):
         deadline = time.monotonic() + 30
         while not client.get("/v1/kv/prewarm").json()["done"]:
             assert time.monotonic() < deadline
