@@ -25,9 +25,12 @@ import gc
 import logging
 import os
 import select
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
+
+import uvicorn
 
 from kvbridge.errors import ConfigError
 
@@ -35,6 +38,7 @@ __all__ = [
     "ENV_NAMES",
     "ConnectionBudget",
     "ConnectionGuard",
+    "GuardedServer",
     "guarded_config",
     "guarded_protocol",
 ]
@@ -288,3 +292,29 @@ def guarded_config(name: str, budget: ConnectionBudget | None = None) -> dict[st
         "http": guarded_protocol(HttpToolsProtocol, budget, name),
         "timeout_keep_alive": budget.keep_alive_timeout,
     }
+
+
+class GuardedServer(uvicorn.Server):
+    """uvicorn's server, with the TLS handshake bounded by the first-byte deadline.
+
+    The guard sees a TLS connection only once its handshake is done; before that asyncio
+    gives a silent client 60 s. Under the guard's protocol this server passes
+    ``first_byte_timeout`` as the handshake timeout instead."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        guard = getattr(self.config.http_protocol_class, "guard", None)
+        if guard is None or self.config.ssl is None:
+            await super().startup(sockets)
+            return
+        loop = asyncio.get_running_loop()
+        create_server = loop.create_server
+
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            kwargs.setdefault("ssl_handshake_timeout", guard.budget.first_byte_timeout)
+            return create_server(*args, **kwargs)
+
+        loop.create_server = bounded  # type: ignore[method-assign]
+        try:
+            await super().startup(sockets)
+        finally:
+            del loop.create_server  # back to the loop's own method

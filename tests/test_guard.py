@@ -128,6 +128,23 @@ def test_idle_flood_over_mutual_tls(certs):
         server.stop()
 
 
+def test_silent_client_of_a_tls_server_is_closed_at_the_first_byte_deadline(certs):
+    """No ClientHello: the TLS handshake is bounded by the first-byte deadline, not by
+    asyncio's 60 s."""
+    tls = TLSConfig(
+        str(certs / "prefill.pem"),
+        str(certs / "prefill.key"),
+        str(certs / "ca.pem"),
+        ssl.CERT_REQUIRED,
+    )
+    server = _server(ConnectionBudget(first_byte_timeout=0.5), tls)
+    try:
+        with _open(server.port, 1) as (silent,):
+            assert _closed_by_peer(silent)
+    finally:
+        server.stop()
+
+
 def test_engine_api_server_is_guarded():
     async def ok(request):
         return PlainTextResponse("ok")

@@ -38,7 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvbridge.config import TLSConfig
 from kvbridge.errors import HandshakeError, HandshakeTimeout, WireFormatError, error_body
-from kvbridge.guard import ConnectionBudget, guarded_protocol
+from kvbridge.guard import ConnectionBudget, GuardedServer, guarded_protocol
 from kvbridge.handshake._protocol import HeadLimitedHttpTools
 from kvbridge.handshake.base import (
     MAX_REQUEST_BYTES,
@@ -152,7 +152,7 @@ class _BodyLimit:
         await self.app(scope, receive, send)
 
 
-class _ThreadServer(uvicorn.Server):
+class _ThreadServer(GuardedServer):
     # Signals belong to the process's main thread, not to the side channel.
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

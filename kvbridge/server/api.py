@@ -49,7 +49,7 @@ from kvbridge.errors import (
     failure_status,
     status_of,
 )
-from kvbridge.guard import guarded_config
+from kvbridge.guard import GuardedServer, guarded_config
 from kvbridge.limits import check_json_body, read_json_body
 from kvbridge.params import KVTransferParams
 
@@ -404,7 +404,7 @@ def _sse(obj: dict[str, Any]) -> str:
 
 # -- running it ----------------------------------------------------------------------------
 
-class _Server(uvicorn.Server):
+class _Server(GuardedServer):
     """uvicorn, minus re-raising SIGINT/SIGTERM once it has stopped: the caller still
     has work to do after the API closes (``kvbridge serve`` drains held KV blocks)."""
 
@@ -454,7 +454,7 @@ class BackgroundServer:
         uvicorn_kwargs.setdefault("log_level", "warning")
         for k, v in guarded_config("engine API").items():
             uvicorn_kwargs.setdefault(k, v)
-        self._server = uvicorn.Server(uvicorn.Config(app, **uvicorn_kwargs))
+        self._server = GuardedServer(uvicorn.Config(app, **uvicorn_kwargs))
         self._thread = threading.Thread(target=self._server.run, args=([self._sock],),
                                         name="kvbridge-api", daemon=True)
         self._thread.start()

@@ -38,7 +38,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvbridge.errors import ConfigError, RequestError, error_body
-from kvbridge.guard import guarded_config
+from kvbridge.guard import GuardedServer, guarded_config
 from kvbridge.limits import read_json_body
 from kvbridge.params import KVTransferParams
 from kvbridge.server.api import check_request_body
@@ -575,7 +575,7 @@ def run_proxy(
         f"prefill={','.join(prefill_urls)} decode={','.join(decode_urls)}",
         flush=True,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -584,3 +584,4 @@ def run_proxy(
         ssl_keyfile=ssl_keyfile,
         **guarded_config("proxy"),
     )
+    GuardedServer(config).run()
