@@ -92,6 +92,8 @@ def _budget_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds a new connection may wait before its first request (10)")
     g.add_argument("--head-timeout", type=float,
                    help="seconds a request head may take once started (10)")
+    g.add_argument("--body-timeout", type=float,
+                   help="seconds a request body may take once its head is complete (30)")
     g.add_argument("--keep-alive-timeout", type=float,
                    help="seconds an idle keep-alive connection is kept (5; side channel 30)")
 

@@ -7,7 +7,8 @@ The guard wraps uvicorn's HTTP protocol and adds, per connection and per server:
 
 * a deadline for the first byte of a request after the connection is made (after the
   TLS handshake on https);
-* a deadline for a complete request head once its first byte arrived;
+* a deadline for a complete request head once its first byte arrived, and one for the
+  body once the head is complete;
 * the keep-alive timeout between requests (uvicorn's own timer, set from the budget);
 * a cap on connections: at the cap, the connection idle the longest is closed to make
   room for the new one. Connections with a request in flight are never evicted.
@@ -50,6 +51,7 @@ ENV_NAMES: dict[str, str] = {
     "max_connections": "KVBRIDGE_MAX_CONNECTIONS",
     "first_byte_timeout": "KVBRIDGE_FIRST_BYTE_TIMEOUT",
     "head_timeout": "KVBRIDGE_HEAD_TIMEOUT",
+    "body_timeout": "KVBRIDGE_BODY_TIMEOUT",
     "keep_alive_timeout": "KVBRIDGE_KEEP_ALIVE_TIMEOUT",
 }
 
@@ -61,6 +63,7 @@ class ConnectionBudget:
     max_connections: int = 1024
     first_byte_timeout: float = 10.0
     head_timeout: float = 10.0
+    body_timeout: float = 30.0
     keep_alive_timeout: float = 5.0
 
     @classmethod
@@ -83,7 +86,7 @@ class ConnectionBudget:
     def validated(self) -> ConnectionBudget:
         if self.max_connections < 1:
             raise ConfigError(f"max_connections must be at least 1, got {self.max_connections}")
-        for name in ("first_byte_timeout", "head_timeout", "keep_alive_timeout"):
+        for name in ("first_byte_timeout", "head_timeout", "body_timeout", "keep_alive_timeout"):
             value = getattr(self, name)
             if not 0 < value <= 3600:
                 raise ConfigError(f"{name} must be in (0, 3600] seconds, got {value}")
@@ -193,6 +196,7 @@ class _GuardMixin:
         super().connection_made(transport)  # type: ignore[misc]
         self._guard_timer: asyncio.TimerHandle | None = None
         self._guard_in_head = False
+        self._guard_in_body = False
         self.guard.admit(self)
         self._guard_arm(self.guard.budget.first_byte_timeout)
 
@@ -205,8 +209,15 @@ class _GuardMixin:
 
     def on_headers_complete(self) -> None:
         self._guard_in_head = False
-        self._guard_cancel()
+        # The body (if any) has body_timeout to arrive; on_message_complete ends it.
+        self._guard_in_body = True
+        self._guard_arm(self.guard.budget.body_timeout)
         super().on_headers_complete()  # type: ignore[misc]
+
+    def on_message_complete(self) -> None:
+        self._guard_in_body = False
+        self._guard_cancel()
+        super().on_message_complete()  # type: ignore[misc]
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
@@ -240,9 +251,9 @@ class _GuardMixin:
             return False
 
     def _guard_state(self) -> str:
-        """``idle`` (nothing in flight), ``head`` (a request head still incomplete) or
-        ``busy`` (a request being served: never closed by the guard)."""
-        if self._guard_in_head:
+        """``idle`` (nothing in flight), ``head`` (a request head or body still incomplete)
+        or ``busy`` (a request being served: never closed by the guard)."""
+        if self._guard_in_head or self._guard_in_body:
             return "head"
         if self.pipeline or not (self.cycle is None or self.cycle.response_complete):
             return "busy"
@@ -259,6 +270,10 @@ class _GuardMixin:
 
     def _guard_expired(self) -> None:
         self._guard_timer = None
+        if self._guard_in_body:  # a body trickled in too slowly: the app sees a disconnect
+            self.guard.timed_out += 1
+            self._guard_close()
+            return
         if not self._guard_in_head and self._guard_pending():
             self._guard_arm(self.guard.budget.first_byte_timeout)  # see the keep-alive timer
             return

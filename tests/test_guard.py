@@ -221,3 +221,26 @@ def test_request_sent_to_a_stopped_server_is_answered_after_it_resumes():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_slow_request_body_is_cut_at_the_body_deadline():
+    received = []
+
+    async def upload(request):
+        try:
+            received.append(await request.body())
+        except Exception as e:  # the disconnect the app sees
+            received.append(type(e).__name__)
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route("/upload", upload, methods=["POST"])])
+    budget = ConnectionBudget(body_timeout=0.5)
+    with BackgroundServer(app, **guarded_config("api", budget)) as srv:
+        with _open(srv.port, 1) as (slow,):
+            slow.sendall(
+                b"POST /upload HTTP/1.1\r\nHost: x\r\ncontent-length: 100\r\n\r\nonly ten.."
+            )
+            assert _closed_by_peer(slow)
+        # a whole body in time is still read
+        assert httpx.post(srv.url + "/upload", content=b"x" * 100, timeout=10).text == "ok"
+    assert received[-1] == b"x" * 100
