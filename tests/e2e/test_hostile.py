@@ -34,8 +34,8 @@ from tests.e2e.test_soak import _rss_mib
 HOST = "127.0.0.1"
 FLOOD = 2100  # more than the side channel's old 2048 concurrency limit
 RSS_BOUND_MIB = 64
-# Short head deadline so the slowloris check is quick; the rest are the defaults.
-ENV = {"KVBRIDGE_HEAD_TIMEOUT": "3"}
+# Short head and body deadlines so the slowloris checks are quick; the rest are defaults.
+ENV = {"KVBRIDGE_HEAD_TIMEOUT": "3", "KVBRIDGE_BODY_TIMEOUT": "3"}
 
 
 class Proxy(KVBridgeProcess):
@@ -159,11 +159,29 @@ def test_idle_flood_does_not_deny_a_real_handshake(hostile, token_file):
 
 
 def test_slowloris_is_closed(hostile):
-    port = _side_channel(hostile["p-plain"])
-    for target in (port, hostile["p-plain"].port, hostile["proxy"].port):
-        with socket.create_connection((HOST, target)) as s:
-            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-a: ")  # and never more
-            assert _closed_by_peer(s), target
+    """Heads and bodies that never end, on the side channel, an engine API and the proxy:
+    each connection is closed at its deadline (all attacked at once)."""
+    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-a: "  # and never more
+    body = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json"
+        b'\r\ncontent-length: 1000\r\n\r\n{"prompt": '
+    )
+    attacks = [
+        (_side_channel(hostile["p-plain"]), head),
+        (hostile["p-plain"].port, head),
+        (hostile["proxy"].port, head),
+        (hostile["d"].port, body),
+        (hostile["proxy"].port, body),
+    ]
+    socks = [socket.create_connection((HOST, port)) for port, _ in attacks]
+    try:
+        for s, (_, data) in zip(socks, attacks, strict=True):
+            s.sendall(data)
+        for s, attack in zip(socks, attacks, strict=True):
+            assert _closed_by_peer(s), attack
+    finally:
+        for s in socks:
+            s.close()
 
 
 def test_idle_mutual_tls_flood_and_memory(hostile, certs, token_file):
