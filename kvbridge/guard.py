@@ -27,7 +27,8 @@ import logging
 import os
 import select
 import socket
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = [
     "ENV_NAMES",
     "ConnectionBudget",
     "ConnectionGuard",
+    "GuardCollector",
     "GuardedServer",
     "guarded_config",
     "guarded_protocol",
@@ -101,7 +103,9 @@ class ConnectionGuard:
         self.name = name
         self._conns: dict[_GuardMixin, None] = {}
         self.evicted = 0  # closed to make room at the cap
-        self.timed_out = 0  # closed for a missed first-byte or head deadline
+        self.timed_out = 0  # closed for a missed first-byte, head or body deadline
+        self.dropped = 0  # closed for a message over the limits (zmq side channel)
+        _GUARDS.add(self)
 
     def __len__(self) -> int:
         return len(self._conns)
@@ -137,6 +141,39 @@ class ConnectionGuard:
     def remove(self, conn: _GuardMixin) -> None:
         if self._conns.pop(conn, False) is None:
             _TRIMMER.closed()
+
+
+_GUARDS: weakref.WeakSet[ConnectionGuard] = weakref.WeakSet()
+
+
+class GuardCollector:
+    """Prometheus collector of every live guard of the process, by server name: open
+    connections and connections the guard closed, by why."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        open_: dict[str, int] = {}
+        closed: dict[tuple[str, str], int] = {}
+        for g in list(_GUARDS):
+            open_[g.name] = open_.get(g.name, 0) + len(g)
+            for why in ("evicted", "timed_out", "dropped"):
+                closed[(g.name, why)] = closed.get((g.name, why), 0) + getattr(g, why)
+        gauge = GaugeMetricFamily(
+            "kvbridge_connections", "Open connections, by server", labels=["server"]
+        )
+        for name, n in sorted(open_.items()):
+            gauge.add_metric([name], n)
+        counter = CounterMetricFamily(
+            "kvbridge_connections_closed",
+            "Connections closed by the connection budget: evicted at the cap, timed_out at "
+            "a first-byte/head/body deadline, dropped for a message over the limits",
+            labels=["server", "why"],
+        )
+        for (name, why), n in sorted(closed.items()):
+            counter.add_metric([name, why], n)
+        yield gauge
+        yield counter
 
 
 class _Trimmer:

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvbridge.guard import GuardCollector
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0, 30.0)
 
@@ -49,6 +51,8 @@ class Metrics:
             "time_to_first_token", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.held_requests = Gauge("kvbridge_held_requests",
                                    "Prefill requests holding blocks for a decode", registry=r)
+        # Connection budgets of this process's servers (side channel, engine API).
+        r.register(GuardCollector())
 
     def observe_side_channel(self, route: str, status: int, nbytes: int) -> None:
         """``handshake.base.Observer``: called from the side channel's thread."""

@@ -135,6 +135,7 @@ class ZmtpListener:
                 self.guard.touch(conn)
         except _Dropped as e:
             self.dropped += 1
+            self.guard.dropped += 1
             log.warning("zmq side channel: dropped %s: %s", conn.peer, e)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
             pass

@@ -38,7 +38,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvbridge.errors import ConfigError, RequestError, error_body
-from kvbridge.guard import GuardedServer, guarded_config
+from kvbridge.guard import GuardCollector, GuardedServer, guarded_config
 from kvbridge.limits import read_json_body
 from kvbridge.params import KVTransferParams
 from kvbridge.server.api import check_request_body
@@ -224,6 +224,7 @@ class _Proxy:
         self.prewarm_failures = Counter(
             "kvbridge_proxy_prewarm_failures",
             "Decode/prefill pairs whose prewarm failed, by reason", ["reason"], registry=r)
+        r.register(GuardCollector())  # the proxy server's connection budget
         self.releases = Counter("kvbridge_proxy_kv_releases",
                                 "Prefill holds released after a failed decode hop, by outcome",
                                 ["outcome"], registry=r)

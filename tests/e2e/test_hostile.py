@@ -152,6 +152,8 @@ def test_idle_flood_does_not_deny_a_real_handshake(hostile, token_file):
         assert _handshake_seconds(client, port) < 2.0
         # the server sheds them (oldest idle first at the cap, the rest at their deadline)
         assert _closed_by_peer(flood[0])
+        evicted = 'kvbridge_connections_closed_total{server="side channel",why="evicted"}'
+        assert hostile["p-plain"].metric(evicted) >= FLOOD - 1024
     finally:
         for s in flood:
             s.close()
