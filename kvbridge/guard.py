@@ -11,7 +11,11 @@ The guard wraps uvicorn's HTTP protocol and adds, per connection and per server:
   body once the head is complete;
 * the keep-alive timeout between requests (uvicorn's own timer, set from the budget);
 * a cap on connections: at the cap, the connection idle the longest is closed to make
-  room for the new one. Connections with a request in flight are never evicted.
+  room for the new one; if none is idle, the oldest whose request head or body is still
+  incomplete. Connections serving a request are never evicted.
+
+It also bounds the TLS handshake (``GuardedServer``) and gives the heap back after bursts
+of closed connections (``_Trimmer``).
 
     budget = ConnectionBudget.from_env()
     uvicorn.Config(app, http=guarded_protocol(HttpToolsProtocol, budget, "api"),
