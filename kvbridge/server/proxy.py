@@ -585,4 +585,7 @@ def run_proxy(
         ssl_keyfile=ssl_keyfile,
         **guarded_config("proxy"),
     )
-    GuardedServer(config).run()
+    server = GuardedServer(config)
+    server.run()
+    if not server.started:
+        raise SystemExit(3)  # as uvicorn.run: the server could not start
