@@ -355,10 +355,13 @@ def _proxy(args: argparse.Namespace) -> int:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     token = SideChannelConfig.load({"token_file": args.kv_token_file}).token
     check_port_free(args.host, args.port, "--port")
+    registry = _registry_endpoint(args)
+    if registry is None and not (args.prefill and args.decode):
+        raise ConfigError("the proxy needs --prefill and --decode URLs, or --registry")
     run_proxy(args.prefill, args.decode, host=args.host, port=args.port, ca_certs=args.ca_certs,
               client_cert=tuple(args.client_cert) if args.client_cert else None,
               timeout=args.timeout, log_level=args.log_level, prewarm=args.prewarm,
-              kv_token=token)
+              kv_token=token, registry=registry, routing=args.routing)
     return 0
 
 
