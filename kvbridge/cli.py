@@ -31,7 +31,7 @@ from kvbridge.net import bind_socket, check_port_free
 
 def _side_channel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("side channel (env: KVBRIDGE_* or the VLLM_NIXL_* aliases)")
-    g.add_argument("--handshake", dest="handshake_method", choices=["zmq", "http"],
+    g.add_argument("--handshake", dest="handshake_method", choices=["zmq", "http", "etcd"],
                    help="handshake method (KVBRIDGE_HANDSHAKE_METHOD; default zmq)")
     g.add_argument("--handshake-timeout", type=float,
                    help="seconds one handshake may take in total (default 10)")
@@ -233,7 +233,9 @@ def _serve(args: argparse.Namespace) -> int:
                         parse_cert_reqs(args.ssl_cert_reqs))
     flags = {k: getattr(args, k) for k in ("handshake_method", "handshake_timeout",
                                            "side_channel_host", "side_channel_port",
-                                           "advertise_host", "token_file")}
+                                           "advertise_host", "token_file", "registry",
+                                           "registry_ca_certs", "registry_certfile",
+                                           "registry_keyfile")}
     # As in the seed: the side channel reuses the API server's TLS settings, each one
     # unless given its own (a certificate of its own comes with its own key, or none).
     own_cert = args.side_channel_ssl_certfile is not None
