@@ -10,4 +10,5 @@ BENCHMARKS: dict[str, str] = {
     "sidechannel": "kvbridge.bench.sidechannel",
     "transfer": "kvbridge.bench.transfer",
     "serve": "kvbridge.bench.serve",
+    "fleet": "kvbridge.bench.fleet",
 }

@@ -269,7 +269,12 @@ class _Proxy:
             task.add_done_callback(self._tasks.discard)
 
     async def fleet(self, request: Request) -> Response:
-        return JSONResponse(self.router.view())
+        view = self.router.view()
+        if (m := self.membership) is not None:
+            view["registry"] = {"url": m.registry.endpoint.url, "connected": m.connected.is_set(),
+                                "reads": m.registry.reads, "writes": m.registry.writes,
+                                "events": m.events}
+        return JSONResponse(view)
 
     @property
     def client(self) -> httpx.AsyncClient:
