@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from kvbridge.errors import ConfigError
 from kvbridge.server.proxy import build_proxy_app
+from tests.helpers import RawServer, read_request
 
 PREFILL_KV_PARAMS = {
     "do_remote_decode": True,
@@ -344,6 +345,36 @@ def test_dead_decode_fails_over_and_releases_the_hold(serve: Serve) -> None:
         assert [c["path"] for c in prefill.calls] == ["/v1/completions"] * 2
         assert 'kvbridge_proxy_failovers_total{stage="decode"} 1.0' in client.get(
             "/metrics").text
+
+
+def _dies_after_headers(conn: socket.socket) -> None:
+    """A decode that accepts the request, sends a 200 head, and dies before any token."""
+    read_request(conn)
+    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                 b"transfer-encoding: chunked\r\n\r\n")
+    conn.shutdown(socket.SHUT_RDWR)
+    conn.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_dead_before_first_token_fails_over(serve: Serve, stream: bool) -> None:
+    (prefill,) = _engines(serve, "prefill", 1)
+    (decode,) = _engines(serve, "decode", 1)
+    with RawServer(_dies_after_headers) as dying:
+        dead = f"http://127.0.0.1:{dying.port}"
+        app = build_proxy_app([prefill.url], [dead, decode.url], timeout=5.0,
+                              connect_timeout=2.0)
+        with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
+            r = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
+            assert r.status_code == 200, r.text
+            assert "d0" in r.text  # the whole answer came from the live decode
+            deadline = time.monotonic() + 5
+            while not prefill.releases:
+                assert time.monotonic() < deadline, "the first prefill's hold was not released"
+                time.sleep(0.02)
+            assert len(prefill.calls) == 2 and len(decode.calls) == 1
+            view = client.get("/v1/fleet").json()
+            assert {b["url"]: b["failures"] for b in view["decode"]} == {dead: 1, decode.url: 0}
 
 
 def test_no_failover_without_another_instance(serve: Serve) -> None:

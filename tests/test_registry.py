@@ -252,3 +252,34 @@ def test_serve_bad_registry_is_a_config_error(tmp_path):
     )
     assert proc.proc.wait(60) == 2
     assert "etcd://HOST:PORT" in proc.log.read_text()
+
+
+def test_registry_over_tls_with_client_certificates(certs, tmp_path):
+    """etcds:// with the CA and a client certificate works; without the certificate etcd
+    refuses, and a plaintext client gets nowhere."""
+    from kvbridge.registry.server import EtcdProcess, EtcdTLS
+
+    tls = EtcdTLS(
+        str(certs / "ca.pem"),
+        str(certs / "prefill.pem"),
+        str(certs / "prefill.key"),
+        str(certs / "decode.pem"),
+        str(certs / "decode.key"),
+    )
+    with EtcdProcess(log_dir=tmp_path, tls=tls) as etcd:
+        assert etcd.url.startswith("etcds://")
+        ep = parse_registry_url(
+            etcd.url, ca_certs=tls.ca, certfile=tls.client_certfile, keyfile=tls.client_keyfile
+        )
+        registrar = Registrar(EtcdRegistry(ep), _record, ttl=2).start()
+        try:
+            assert registrar.wait_registered(5)
+            assert instance_key(_record()) in EtcdRegistry(ep).get_prefix(INSTANCES_PREFIX)[0]
+        finally:
+            registrar.deregister()
+        no_cert = parse_registry_url(etcd.url, ca_certs=tls.ca)
+        with pytest.raises(RegistryError):
+            EtcdRegistry(no_cert).get_prefix(INSTANCES_PREFIX)
+        plain = parse_registry_url(etcd.url.replace("etcds://", "etcd://"))
+        with pytest.raises(RegistryError):
+            EtcdRegistry(plain, timeout=1).get_prefix(INSTANCES_PREFIX)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -30,10 +32,22 @@ def etcd_binary() -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class EtcdTLS:
+    """Files for an etcd that serves TLS and requires client certificates."""
+
+    ca: str
+    certfile: str  # etcd's own certificate (SAN 127.0.0.1)
+    keyfile: str
+    client_certfile: str  # what the health check presents
+    client_keyfile: str
+
+
 class EtcdProcess:
     """``etcd`` on 127.0.0.1 with free client and peer ports and its own data dir."""
 
-    def __init__(self, log_dir: Path | None = None, name: str = "etcd"):
+    def __init__(self, log_dir: Path | None = None, name: str = "etcd", tls: EtcdTLS | None = None):
+        self.tls = tls
         self.data_dir = Path(tempfile.mkdtemp(prefix="kvbridge-etcd-"))
         self.port = free_port()
         self.peer_port = free_port()
@@ -43,10 +57,27 @@ class EtcdProcess:
 
     @property
     def url(self) -> str:
-        return f"etcd://127.0.0.1:{self.port}"
+        return f"{'etcds' if self.tls else 'etcd'}://127.0.0.1:{self.port}"
+
+    @property
+    def _client_url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> EtcdProcess:
-        client = f"http://127.0.0.1:{self.port}"
+        client = self._client_url
+        tls_args = (
+            []
+            if self.tls is None
+            else [
+                "--cert-file",
+                self.tls.certfile,
+                "--key-file",
+                self.tls.keyfile,
+                "--trusted-ca-file",
+                self.tls.ca,
+                "--client-cert-auth",
+            ]
+        )
         peer = f"http://127.0.0.1:{self.peer_port}"
         with self.log.open("a") as log:
             self.proc = subprocess.Popen(
@@ -68,6 +99,7 @@ class EtcdProcess:
                     f"{self.name}={peer}",
                     "--log-level",
                     "warn",
+                    *tls_args,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -79,7 +111,12 @@ class EtcdProcess:
     def wait_healthy(self, timeout: float = 30.0) -> None:
         """Poll etcd's /health until it says so, bounded by ``timeout``."""
         deadline = time.monotonic() + timeout
-        with httpx.Client(trust_env=False) as c:
+        verify: object = True
+        if self.tls is not None:
+            ctx = ssl.create_default_context(cafile=self.tls.ca)
+            ctx.load_cert_chain(self.tls.client_certfile, self.tls.client_keyfile)
+            verify = ctx
+        with httpx.Client(trust_env=False, verify=verify) as c:  # type: ignore[arg-type]  # type: ignore[arg-type]
             while True:
                 assert self.proc is not None
                 if self.proc.poll() is not None:
@@ -87,7 +124,7 @@ class EtcdProcess:
                         f"etcd exited {self.proc.returncode}: {self.log.read_text()[-2000:]}"
                     )
                 try:
-                    r = c.get(f"http://127.0.0.1:{self.port}/health", timeout=1)
+                    r = c.get(f"{self._client_url}/health", timeout=1)
                     if r.status_code == 200 and r.json().get("health") == "true":
                         return
                 except (httpx.HTTPError, ValueError):

@@ -141,7 +141,9 @@ class Membership:
         if self._alive(url):
             log.info("registry: %s deregistered but answers; keeping it %gs", url, self.grace)
             self._orphans[url] = time.monotonic()
-            threading.Timer(self.grace, self._expire_orphans).start()
+            timer = threading.Timer(self.grace, self._expire_orphans)
+            timer.daemon = True  # must not hold the proxy's exit
+            timer.start()
         else:
             self.router.remove(url)
             log.info("registry: %s gone", url)

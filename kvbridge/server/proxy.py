@@ -570,6 +570,8 @@ class _Proxy:
                         prefill, outcome)
 
     async def models(self, request: Request) -> Response:
+        if not self.decode_urls:
+            return _error(503, "no decode instance is known yet", "service_unavailable")
         url = self.decode_urls[0]
         headers = {}
         if (auth := request.headers.get("authorization")) is not None:
