@@ -205,6 +205,12 @@ def test_fleet_failover_join_and_registry_outage(fleet):
         t_ready = time.monotonic()
         t_routed = _wait(lambda: _routed(proxy, d2.url) > 0, 2, "d2 routed to")
         print(f"d2 ready -> first routed: {t_routed - t_ready:.3f}s")
+
+        def prewarmed() -> bool:  # the new pair was handshaken ahead, by the proxy
+            pairs = httpx.get(proxy + "/v1/kv/prewarm", timeout=10).json()["pairs"]
+            return {"prefill": p1.url, "decode": d2.url, "outcome": "ok"} in pairs
+
+        _wait(prewarmed, 20, "p1/d2 prewarmed")
         load.progress(16)
 
         # 3. etcd frozen for 10 s: the proxy routes on its last view
