@@ -65,7 +65,8 @@ _HEALTH_TIMEOUT = 5.0
 # Errors that prove a request never reached the engine (nothing was sent).
 _NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 # A decode that cannot be reached or dropped the connection: retried on another one.
-_DEAD_DECODE = (*_NEVER_SENT, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+_DEAD_DECODE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
+                httpx.ReadError, httpx.WriteError)
 _RETRY_DECODE_STATUS = frozenset({502, 503})
 
 _COMPLETIONS = "/v1/completions"
