@@ -97,7 +97,11 @@ def _registry_flags(p: argparse.ArgumentParser, what: str) -> None:
 def _registry_endpoint(args: argparse.Namespace):
     if args.registry is None:
         return None
-    from kvbridge.registry import parse_registry_url
+    try:
+        from kvbridge.registry import parse_registry_url
+    except ImportError as e:
+        raise ConfigError(f"--registry needs the fleet extra (pip install 'kvbridge[fleet]'): "
+                          f"{e}") from None
 
     return parse_registry_url(args.registry, ca_certs=args.registry_ca_certs,
                               certfile=args.registry_certfile, keyfile=args.registry_keyfile)

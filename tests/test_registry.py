@@ -283,3 +283,19 @@ def test_registry_over_tls_with_client_certificates(certs, tmp_path):
         plain = parse_registry_url(etcd.url.replace("etcds://", "etcd://"))
         with pytest.raises(RegistryError):
             EtcdRegistry(plain, timeout=1).get_prefix(INSTANCES_PREFIX)
+
+
+def test_cli_refuses_bad_fleet_flags(capsys):
+    from kvbridge.cli import main
+
+    assert main(["proxy", "--port", "0"]) == 2
+    assert "--registry" in capsys.readouterr().err
+    assert main(["proxy", "--registry", "etcd://127.0.0.1:1/x", "--port", "0"]) == 2
+    assert "etcd://HOST:PORT" in capsys.readouterr().err
+    assert (
+        main(["serve", "--registry", "etcd://127.0.0.1:1", "--registry-ttl", "0", "--port", "0"])
+        == 2
+    )
+    assert "--registry-ttl" in capsys.readouterr().err
+    assert main(["serve", "--handshake", "etcd", "--port", "0"]) == 2
+    assert "registry" in capsys.readouterr().err
