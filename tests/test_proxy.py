@@ -307,8 +307,7 @@ def test_rotation_and_prefill_failover(serve: Serve) -> None:
         fleet = client.get("/v1/fleet").json()
         failing = {b["url"]: b["cooling_down"] for b in fleet["prefill"]}
         assert failing == {prefills[0].url: True, prefills[1].url: False}
-        assert 'kvbridge_proxy_failovers_total{stage="prefill"} 1.0' in client.get(
-            "/metrics").text
+        assert 'kvbridge_proxy_failovers_total{stage="prefill"} 1.0' in client.get("/metrics").text
     # Each decode was told about the prefill that served the same request.
     for d in decodes:
         for call in d.calls[2:]:
@@ -343,15 +342,19 @@ def test_dead_decode_fails_over_and_releases_the_hold(serve: Serve) -> None:
             time.sleep(0.02)
         assert prefill.releases == [prefill.kv_params]
         assert [c["path"] for c in prefill.calls] == ["/v1/completions"] * 2
-        assert 'kvbridge_proxy_failovers_total{stage="decode"} 1.0' in client.get(
-            "/metrics").text
+        # the retry runs under an id of its own (the prefill may still hold the first);
+        # the client keeps its own
+        first, second = (c["headers"]["x-request-id"] for c in prefill.calls)
+        assert second == first + "-retry" and r.headers["x-request-id"] == first
+        assert 'kvbridge_proxy_failovers_total{stage="decode"} 1.0' in client.get("/metrics").text
 
 
 def _dies_after_headers(conn: socket.socket) -> None:
     """A decode that accepts the request, sends a 200 head, and dies before any token."""
     read_request(conn)
-    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                 b"transfer-encoding: chunked\r\n\r\n")
+    conn.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
     conn.shutdown(socket.SHUT_RDWR)
     conn.close()
 
@@ -362,8 +365,7 @@ def test_decode_dead_before_first_token_fails_over(serve: Serve, stream: bool) -
     (decode,) = _engines(serve, "decode", 1)
     with RawServer(_dies_after_headers) as dying:
         dead = f"http://127.0.0.1:{dying.port}"
-        app = build_proxy_app([prefill.url], [dead, decode.url], timeout=5.0,
-                              connect_timeout=2.0)
+        app = build_proxy_app([prefill.url], [dead, decode.url], timeout=5.0, connect_timeout=2.0)
         with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
             r = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
             assert r.status_code == 200, r.text

@@ -411,6 +411,9 @@ class _Proxy:
                 break
             if attempt:
                 self.failovers.labels("prefill" if failed_p else "decode").inc()
+                # The engines may still hold the first attempt under the client's id (its
+                # release is on its way): the retry goes under an id of its own.
+                headers = {**headers, "x-request-id": f"{request_id}-retry"}
             p, d = pair
             error, kv_params, decode_body = await self._prefill_hop(p, body, endpoint,
                                                                     headers, request_id)
