@@ -46,6 +46,8 @@ class Load:
         self.url, self.reference = url, reference
         self.ok = 0
         self.errors: list[str] = []
+        self.streaming = True  # half the requests streamed while set
+        self.done = [0] * CLIENTS  # requests finished, per client
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [
@@ -57,7 +59,7 @@ class Load:
         while not self._stop.is_set():
             prompt = FLEET_PROMPTS[n % len(FLEET_PROMPTS)]
             try:
-                got = complete(self.url, prompt, stream=bool(n % 2))
+                got = complete(self.url, prompt, stream=self.streaming and bool(n % 2))
                 error = None if got == self.reference[prompt] else f"wrong answer {got!r}"
             except (AssertionError, httpx.HTTPError) as e:
                 error = f"{type(e).__name__}: {str(e)[:300]}"
@@ -66,6 +68,7 @@ class Load:
                     self.ok += 1
                 else:
                     self.errors.append(error)
+                self.done[i] += 1
             n += 1
 
     def __enter__(self) -> Load:
@@ -150,9 +153,11 @@ def _fleet(proxy: str) -> dict:
     return httpx.get(proxy + "/v1/fleet", timeout=10).json()
 
 
-def _routed(proxy: str, url: str) -> int:
+def _routed(proxy: str, url: str) -> int | None:
+    """Requests the proxy routed to ``url``; None once it is out of the view."""
     view = _fleet(proxy)
-    return sum(b["routed"] for b in view["prefill"] + view["decode"] if b["url"] == url)
+    found = [b["routed"] for b in view["prefill"] + view["decode"] if b["url"] == url]
+    return found[0] if found else None
 
 
 def _registered(etcd: EtcdProcess) -> set[str]:
@@ -177,23 +182,28 @@ def test_fleet_failover_join_and_registry_outage(fleet):
     with Load(proxy, reference) as load:
         load.progress(16)
         for e in (p0, p1, d0, d1):  # traffic on every instance
-            assert _routed(proxy, e.url) > 0, (e.name, _fleet(proxy))
+            assert (_routed(proxy, e.url) or 0) > 0, (e.name, _fleet(proxy))
 
         # 1. SIGKILL a prefill under load: nobody notices
         t_kill = time.monotonic()
         p0.proc.send_signal(signal.SIGKILL)
         p0.proc.wait()
-        load.progress(24)
-        routed_after = _routed(proxy, p0.url)
-        load.progress(8)
-        assert _routed(proxy, p0.url) == routed_after  # no longer routed to
-        _wait(lambda: p0.url not in _registered(etcd), TTL + 2, "p0's record expired")
-        _wait(
-            lambda: p0.url not in {b["url"] for b in _fleet(proxy)["prefill"]},
-            3,
-            "p0 out of the proxy's view",
-        )
-        assert time.monotonic() - t_kill < TTL + 5
+        # Polled from the kill on: once the proxy has put p0 aside (a failed attempt sends
+        # it to cool down) nothing more is routed to it, and it leaves the view when its
+        # lease expires.
+        routed_while_aside: list[int] = []
+
+        def out_of_view() -> bool:
+            entry = [b for b in _fleet(proxy)["prefill"] if b["url"] == p0.url]
+            if entry and entry[0]["cooling_down"]:
+                routed_while_aside.append(entry[0]["routed"])
+            return not entry
+
+        t_gone = _wait(out_of_view, TTL + 5, "p0 out of the proxy's view")
+        assert t_gone - t_kill < TTL + 5
+        assert len(set(routed_while_aside)) <= 1, routed_while_aside
+        assert p0.url not in _registered(etcd)
+        load.progress(32)
         # requests that picked p0 after the kill were retried on p1
         metrics = httpx.get(proxy + "/metrics", timeout=10).text
         assert 'kvbridge_proxy_failovers_total{stage="prefill"}' in metrics, metrics
@@ -203,7 +213,7 @@ def test_fleet_failover_join_and_registry_outage(fleet):
         procs["d2"] = d2
         d2.wait_ready(time.monotonic() + START_TIMEOUT)
         t_ready = time.monotonic()
-        t_routed = _wait(lambda: _routed(proxy, d2.url) > 0, 2, "d2 routed to")
+        t_routed = _wait(lambda: (_routed(proxy, d2.url) or 0) > 0, 2, "d2 routed to")
         print(f"d2 ready -> first routed: {t_routed - t_ready:.3f}s")
 
         def prewarmed() -> bool:  # the new pair was handshaken ahead, by the proxy
@@ -229,5 +239,25 @@ def test_fleet_failover_join_and_registry_outage(fleet):
         _wait(lambda: _registered(etcd) == alive, 3 * TTL, "registrations back")
         view = _fleet(proxy)
         assert {b["url"] for b in view["prefill"] + view["decode"]} == alive
+
+        # 4. SIGKILL a decode under non-streamed load: a decode that dies before its first
+        # token (a non-streamed answer comes whole) is failed over too. A stream already
+        # past its first token cannot be hidden, so streams end first.
+        load.streaming = False
+        before = list(load.done)
+        _wait(
+            lambda: all(a > b for a, b in zip(load.done, before, strict=True)),
+            60,
+            "every client past its last stream",
+        )
+        d0.proc.send_signal(signal.SIGKILL)
+        d0.proc.wait()
+        load.progress(24)
+        _wait(
+            lambda: d0.url not in {b["url"] for b in _fleet(proxy)["decode"]},
+            TTL + 3,
+            "d0 out of the proxy's view",
+        )
+        load.progress(8)
     assert not load.errors, load.errors[:5]
     assert load.ok > 80
