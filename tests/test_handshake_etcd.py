@@ -126,7 +126,7 @@ def _serve(name: str, log_dir, *args: str) -> tuple[KVBridgeProcess, str]:
         "--dtype",
         "float64",
         "--handshake-timeout",
-        "5",
+        "20",  # a loaded machine must not turn a slow handshake into a failed load
         *args,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         log_level="info",
@@ -186,7 +186,7 @@ def test_restarted_prefill_switches_without_a_failed_read(etcd, tmp_path):
 
             text, kv = through_pd()
             assert text == reference
-            assert metric('kvbridge_kv_loads_total{outcome="ok"}') == 1
+            assert metric('kvbridge_kv_loads_total{outcome="ok"}') == 1, d.tail()
             p.stop()  # SIGTERM; then a new process, same engine id and address
             p, p_url2 = _serve("p2", tmp_path, *prefill_args)
             p.wait_healthy(p_url2 + "/health", time.monotonic() + 180)
@@ -194,7 +194,7 @@ def test_restarted_prefill_switches_without_a_failed_read(etcd, tmp_path):
             text, kv2 = through_pd()
             assert kv2["remote_epoch"] != kv["remote_epoch"]
             assert text == reference
-            assert metric('kvbridge_kv_loads_total{outcome="ok"}') == 2
+            assert metric('kvbridge_kv_loads_total{outcome="ok"}') == 2, d.tail()
             assert metric('kvbridge_kv_loads_total{outcome="failed"}') == 0
             assert metric("kvbridge_requests_recomputed_total") == 0
     finally:

@@ -68,6 +68,7 @@ class Membership:
         self.events = 0
         self._keys: dict[str, str] = {}  # registry key -> API url
         self._orphans: dict[str, float] = {}  # url -> when its record went
+        self._lock = threading.Lock()  # the watch thread and the orphans' timers
         self._stop = threading.Event()
         self._probe = httpx.Client(
             verify=verify,
@@ -120,11 +121,13 @@ class Membership:
             log.warning("registry: ignoring malformed record %s: %s", key, e)
             return
         backend = self.router.upsert(backend_of(record))
-        old = self._keys.get(key)
-        if old is not None and old != backend.url:
+        with self._lock:
+            old = self._keys.get(key)
+            self._keys[key] = backend.url
+            self._orphans.pop(backend.url, None)
+            stale = old is not None and old != backend.url and old not in self._keys.values()
+        if stale:
             self.router.remove(old)
-        self._keys[key] = backend.url
-        self._orphans.pop(backend.url, None)
 
     def _resync(self, records: dict[str, bytes]) -> None:
         for key in [k for k in self._keys if k not in records]:
@@ -133,14 +136,17 @@ class Membership:
             self._put(key, value)
 
     def _gone(self, key: str) -> None:
-        url = self._keys.pop(key, None)
-        if url is None:
-            return
-        if url not in self.router.urls("prefill") + self.router.urls("decode"):
+        with self._lock:
+            url = self._keys.pop(key, None)
+            # another record (a restart under a new engine id) may name the same URL
+            if url is None or url in self._keys.values():
+                return
+        if self.router.get(url) is None:
             return
         if self._alive(url):
             log.info("registry: %s deregistered but answers; keeping it %gs", url, self.grace)
-            self._orphans[url] = time.monotonic()
+            with self._lock:
+                self._orphans[url] = time.monotonic()
             timer = threading.Timer(self.grace, self._expire_orphans)
             timer.daemon = True  # must not hold the proxy's exit
             timer.start()
@@ -156,8 +162,14 @@ class Membership:
 
     def _expire_orphans(self) -> None:
         now = time.monotonic()
-        for url, since in list(self._orphans.items()):
-            if now - since >= self.grace and url not in self._keys.values():
-                self._orphans.pop(url, None)
-                self.router.remove(url)
-                log.info("registry: %s not registered again within %gs; dropped", url, self.grace)
+        with self._lock:
+            expired = [
+                url
+                for url, since in self._orphans.items()
+                if now - since >= self.grace and url not in self._keys.values()
+            ]
+            for url in expired:
+                del self._orphans[url]
+        for url in expired:
+            self.router.remove(url)
+            log.info("registry: %s not registered again within %gs; dropped", url, self.grace)
