@@ -200,3 +200,23 @@ def test_restarted_prefill_switches_without_a_failed_read(etcd, tmp_path):
     finally:
         p.stop()
         d.stop()
+
+
+def test_metadata_withdrawn_while_the_instance_cannot_serve(etcd):
+    """What http and zmq answer 503 for is not left in etcd either."""
+    cfg = _config(etcd)
+    store = full_store(1)
+    state: dict[str, str | None] = {"why": None}
+    store.health = lambda: state["why"]
+    server = make_server(cfg, store)
+    server.start()
+    reg = EtcdRegistry(parse_registry_url(etcd.url))
+    try:
+        assert server.published.wait(5)
+        assert len(reg.get_prefix(HANDSHAKE_PREFIX)[0]) == 2  # rank 0 and "all"
+        state["why"] = "a node of the instance is gone"
+        _wait(lambda: reg.get_prefix(HANDSHAKE_PREFIX)[0] == {}, 3, "withdrawn")
+        state["why"] = None
+        _wait(lambda: len(reg.get_prefix(HANDSHAKE_PREFIX)[0]) == 2, 3, "published again")
+    finally:
+        server.stop()

@@ -299,3 +299,21 @@ def test_cli_refuses_bad_fleet_flags(capsys):
     assert "--registry-ttl" in capsys.readouterr().err
     assert main(["serve", "--handshake", "etcd", "--port", "0"]) == 2
     assert "registry" in capsys.readouterr().err
+
+
+def test_unhealthy_instance_is_withdrawn_until_it_recovers(etcd):
+    reg = EtcdRegistry(parse_registry_url(etcd.url))
+    state: dict[str, str | None] = {"why": None}
+    registrar = Registrar(reg, _record, ttl=3, health=lambda: state["why"]).start()
+    key = instance_key(_record())
+    try:
+        assert registrar.wait_registered(5)
+        state["why"] = "engine is not running"
+        t0 = time.monotonic()
+        _wait(lambda: key not in reg.get_prefix(INSTANCES_PREFIX)[0], 3, "withdrawn")
+        assert time.monotonic() - t0 < 3  # revoked, well before the TTL would end it
+        state["why"] = None
+        _wait(lambda: key in reg.get_prefix(INSTANCES_PREFIX)[0], 3, "registered again")
+        assert registrar.registrations == 2
+    finally:
+        registrar.deregister()

@@ -93,21 +93,37 @@ class EtcdHandshakeServer(HandshakeServer):
 
     def _run(self) -> None:
         interval = max(self._ttl / 3, 0.2)
-        last_ok = time.monotonic()
+        last_ok = due = time.monotonic()
         while not self._stop.is_set():
+            # Health is looked at every half second, etcd only when the keep-alive is due.
+            why = None if self._store.health is None else self._store.health()
+            if why is not None:  # as http/zmq answer 503: nothing to hand out now
+                self._withdraw(why)
+            elif self._lease is None or time.monotonic() >= due:
+                try:
+                    if self._lease is None:
+                        self._publish()
+                    elif self._registry.keepalive(self._lease) <= 0:
+                        self._lease = None
+                        continue
+                    last_ok = time.monotonic()
+                    due = last_ok + interval
+                except RegistryError as e:
+                    log.warning("etcd side channel: %s", e)
+                    if time.monotonic() - last_ok > self._ttl:
+                        self._lease = None  # expired by now: publish anew when etcd is back
+                    due = time.monotonic() + min(interval, 0.5)
+            self._stop.wait(min(interval, 0.5))
+
+    def _withdraw(self, why: str) -> None:
+        lease, self._lease = self._lease, None
+        self._published.clear()
+        if lease is not None:
+            log.warning("etcd side channel: withdrawing the metadata: %s", why)
             try:
-                if self._lease is None:
-                    self._publish()
-                elif self._registry.keepalive(self._lease) <= 0:
-                    self._lease = None
-                    continue
-                last_ok, wait = time.monotonic(), interval
+                self._registry.revoke(lease)
             except RegistryError as e:
-                log.warning("etcd side channel: %s", e)
-                if time.monotonic() - last_ok > self._ttl:
-                    self._lease = None  # expired by now: publish anew when etcd is back
-                wait = min(interval, 0.5)
-            self._stop.wait(wait)
+                log.warning("etcd side channel: not revoked (expires by itself): %s", e)
 
     def start(self) -> None:
         self._thread.start()

@@ -251,6 +251,8 @@ class Registrar:
     of the TTL (rewriting the record only when it changed, e.g. its load). etcd down: the
     instance keeps serving; the lease is re-granted and the record re-put once etcd is
     back. ``deregister`` revokes the lease, so the record goes at once, not at the TTL.
+    ``health`` (None: healthy, else why not) is asked before every keep-alive: an instance
+    that cannot serve is withdrawn (lease revoked) until it can again.
     """
 
     def __init__(
@@ -259,7 +261,7 @@ class Registrar:
         record: Callable[[], InstanceRecord],
         ttl: int = DEFAULT_TTL,
         prefix: str = INSTANCES_PREFIX,
-        on_register: Callable[[Lease], None] | None = None,
+        health: Callable[[], str | None] | None = None,
     ):
         if ttl < 1:
             raise ConfigError(f"registry TTL must be at least 1 second, got {ttl}")
@@ -268,7 +270,7 @@ class Registrar:
         self.prefix = prefix
         self.registrations = 0  # how many times the record was (re-)written with a new lease
         self._record = record
-        self._on_register = on_register
+        self._health = health
         self._lease: Lease | None = None
         self._written: InstanceRecord | None = None
         self._stop = threading.Event()
@@ -294,8 +296,6 @@ class Registrar:
         lease = self.registry.grant(self.ttl)
         record = self._record()
         self.registry.put(instance_key(record, self.prefix), record.encode(), lease)
-        if self._on_register is not None:
-            self._on_register(lease)
         self._lease, self._written = lease, record
         self.registrations += 1
         self._registered.set()
@@ -309,35 +309,51 @@ class Registrar:
 
     def _run(self) -> None:
         interval = max(self.ttl / 3, 0.2)
-        last_ok = time.monotonic()
+        last_ok = due = time.monotonic()
         failing = False
         while not self._stop.is_set():
-            try:
-                if self._lease is None:
-                    self._register()
-                else:
-                    if self.registry.keepalive(self._lease) <= 0:
+            # Health is looked at every half second, etcd only when the keep-alive is due.
+            why = None if self._health is None else self._health()
+            if why is not None:
+                self._withdraw(why)
+            elif self._lease is None or time.monotonic() >= due:
+                try:
+                    if self._lease is None:
+                        self._register()
+                    elif self.registry.keepalive(self._lease) <= 0:
                         log.warning("registry lease expired; registering again")
                         self._lease = None
                         self._registered.clear()
                         continue
-                    record = self._record()
-                    if record != self._written:
-                        self.registry.put(
-                            instance_key(record, self.prefix), record.encode(), self._lease
-                        )
-                        self._written = record
-                last_ok, failing = time.monotonic(), False
-                wait = interval
-            except RegistryError as e:
-                if not failing:
-                    log.warning("registry unreachable, still serving: %s", e)
-                failing = True
-                if self._lease is not None and time.monotonic() - last_ok > self.ttl:
-                    self._lease = None  # it has expired by now: register anew when back
-                    self._registered.clear()
-                wait = min(interval, 0.5)
-            self._stop.wait(wait)
+                    else:
+                        record = self._record()
+                        if record != self._written:
+                            self.registry.put(
+                                instance_key(record, self.prefix), record.encode(), self._lease
+                            )
+                            self._written = record
+                    last_ok, failing = time.monotonic(), False
+                    due = last_ok + interval
+                except RegistryError as e:
+                    if not failing:
+                        log.warning("registry unreachable, still serving: %s", e)
+                    failing = True
+                    if self._lease is not None and time.monotonic() - last_ok > self.ttl:
+                        self._lease = None  # it has expired by now: register anew when back
+                        self._registered.clear()
+                    due = time.monotonic() + min(interval, 0.5)
+            self._stop.wait(min(interval, 0.5))
+
+    def _withdraw(self, why: str) -> None:
+        lease, self._lease = self._lease, None
+        self._registered.clear()
+        if lease is None:
+            return
+        log.warning("withdrawing the registration: %s", why)
+        try:
+            self.registry.revoke(lease)
+        except RegistryError as e:
+            log.warning("could not revoke (the lease ends by itself): %s", e)
 
     def deregister(self, timeout: float = DEFAULT_OP_TIMEOUT) -> bool:
         """Stop keeping the lease and revoke it (the record is deleted with it)."""

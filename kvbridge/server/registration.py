@@ -42,4 +42,7 @@ def record_of(inst: Instance, url: str) -> InstanceRecord:
 
 def start_registration(inst: Instance, endpoint: EtcdEndpoint, url: str, ttl: int) -> Registrar:
     """Register ``inst`` and keep it registered (in a thread) until ``deregister``."""
-    return Registrar(EtcdRegistry(endpoint), lambda: record_of(inst, url), ttl).start()
+    # Withdrawn while the engine cannot serve (e.g. a node of the instance is gone).
+    return Registrar(
+        EtcdRegistry(endpoint), lambda: record_of(inst, url), ttl, health=inst._health
+    ).start()
