@@ -9,7 +9,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	# torch first: a bare torch requirement would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,bench]'
+	$(PIP) install -q -e '.[test,bench,fleet]'
 	touch $@
 
 venv: $(VENV)/.installed

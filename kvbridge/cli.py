@@ -31,7 +31,7 @@ from kvbridge.net import bind_socket, check_port_free
 
 def _side_channel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("side channel (env: KVBRIDGE_* or the VLLM_NIXL_* aliases)")
-    g.add_argument("--handshake", dest="handshake_method", choices=["zmq", "http"],
+    g.add_argument("--handshake", dest="handshake_method", choices=["zmq", "http", "etcd"],
                    help="handshake method (KVBRIDGE_HANDSHAKE_METHOD; default zmq)")
     g.add_argument("--handshake-timeout", type=float,
                    help="seconds one handshake may take in total (default 10)")
@@ -110,6 +110,31 @@ def _apply_budget_flags(args: argparse.Namespace) -> None:
     ConnectionBudget.from_env()  # a bad value is reported now, not at the first server
 
 
+def _registry_flags(p: argparse.ArgumentParser, what: str) -> None:
+    g = p.add_argument_group("fleet registry (etcd v3; see docs/fleet.md)")
+    env = os.environ.get
+    g.add_argument("--registry", default=env("KVBRIDGE_REGISTRY"), metavar="etcd://HOST:PORT",
+                   help=f"{what} (etcds:// for TLS; env KVBRIDGE_REGISTRY)")
+    g.add_argument("--registry-ca-certs", default=env("KVBRIDGE_REGISTRY_CA_CERTS"),
+                   help="CA bundle that verifies etcd's certificate")
+    g.add_argument("--registry-certfile", default=env("KVBRIDGE_REGISTRY_CERTFILE"),
+                   help="client certificate for etcd's --client-cert-auth")
+    g.add_argument("--registry-keyfile", default=env("KVBRIDGE_REGISTRY_KEYFILE"))
+
+
+def _registry_endpoint(args: argparse.Namespace):
+    if args.registry is None:
+        return None
+    try:
+        from kvbridge.registry import parse_registry_url
+    except ImportError as e:
+        raise ConfigError(f"--registry needs the fleet extra (pip install 'kvbridge[fleet]'): "
+                          f"{e}") from None
+
+    return parse_registry_url(args.registry, ca_certs=args.registry_ca_certs,
+                              certfile=args.registry_certfile, keyfile=args.registry_keyfile)
+
+
 def _tls_flags(p: argparse.ArgumentParser, what: str) -> None:
     g = p.add_argument_group(f"TLS of the {what} (uvicorn-style)")
     g.add_argument("--ssl-certfile")
@@ -146,12 +171,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="decode: seconds a started READ may take")
     _multinode_flags(s)
     _side_channel_flags(s)
+    _registry_flags(s, "register this instance, under a lease, in etcd")
+    s.add_argument("--registry-ttl", type=int,
+                   default=int(os.environ.get("KVBRIDGE_REGISTRY_TTL", "10")),
+                   help="seconds the registration outlives a crashed instance (default 10)")
     _tls_flags(s, "API server (the side channel uses them too unless given its own)")
     _budget_flags(s)
 
     x = sub.add_parser("proxy", help="OpenAI-compatible proxy: prefill, then decode")
-    x.add_argument("--prefill", nargs="+", required=True, metavar="URL")
-    x.add_argument("--decode", nargs="+", required=True, metavar="URL")
+    x.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL",
+                   help="a prefill instance's API (repeatable)")
+    x.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL",
+                   help="a decode instance's API (repeatable)")
+    _registry_flags(x, "discover prefills and decodes by watching etcd")
+    x.add_argument("--routing", choices=["least-outstanding", "round-robin"],
+                   default="least-outstanding", help="how to pick among instances")
     x.add_argument("--host", default="127.0.0.1")
     x.add_argument("--port", type=int, default=8000)
     x.add_argument("--ca-certs", help="CA bundle to verify https engines")
@@ -237,7 +271,9 @@ def _serve(args: argparse.Namespace) -> int:
                         parse_cert_reqs(args.ssl_cert_reqs))
     flags = {k: getattr(args, k) for k in ("handshake_method", "handshake_timeout",
                                            "side_channel_host", "side_channel_port",
-                                           "advertise_host", "token_file")}
+                                           "advertise_host", "token_file", "registry",
+                                           "registry_ca_certs", "registry_certfile",
+                                           "registry_keyfile")}
     # As in the seed: the side channel reuses the API server's TLS settings, each one
     # unless given its own (a certificate of its own comes with its own key, or none).
     own_cert = args.side_channel_ssl_certfile is not None
@@ -260,6 +296,9 @@ def _serve(args: argparse.Namespace) -> int:
         _print_settings("serve", ["headless", f"tp={args.tp}", *nodes, *side.describe()])
         return serve_node(mn, args.tp, side)
     _check_serve_sizes(args)
+    registry = _registry_endpoint(args)
+    if registry is not None and args.registry_ttl < 1:
+        raise ConfigError(f"--registry-ttl must be at least 1 second, got {args.registry_ttl}")
     from kvbridge._nixl import PROGRESS_DELAY_US  # checks KVBRIDGE_NIXL_PROGRESS_DELAY_US
 
     if args.role in ("prefill", "both"):
@@ -296,6 +335,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"kvbridge serve: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
             return 1
         raise
+    registrar = None
     try:
         if inst.side_channel_port is not None:
             print(f"kvbridge serve: side channel {side.handshake_method} on "
@@ -304,11 +344,21 @@ def _serve(args: argparse.Namespace) -> int:
                   flush=True)
         print(f"kvbridge serve: API on {'https' if api_tls.enabled else 'http'}://{args.host}:"
               f"{api_port}", file=sys.stderr, flush=True)
+        if registry is not None:
+            from kvbridge.server.registration import api_url, start_registration
+
+            # Registered before uvicorn accepts: connections made meanwhile wait in the
+            # listen backlog of the socket bound above.
+            registrar = start_registration(
+                inst, registry, api_url("https" if api_tls.enabled else "http", args.host,
+                                        api_port, side.advertised), args.registry_ttl)
         run_server(inst.app, args.host, api_port, ssl_certfile=api_tls.certfile,
                    ssl_keyfile=api_tls.keyfile, ssl_ca_certs=api_tls.ca_certs,
                    ssl_cert_reqs=api_tls.cert_reqs, log_level=args.log_level, sock=api_sock)
         # The API is closed (SIGTERM/SIGINT): no new requests. Blocks held for decodes
         # stay readable, with the side channel up, until read or their leases end.
+        if registrar is not None:
+            registrar.deregister()  # proxies stop routing here before the drain
         held = inst.connector.num_held
         if held:
             print(f"kvbridge serve: draining {held} held request(s) before exit "
@@ -317,6 +367,8 @@ def _serve(args: argparse.Namespace) -> int:
         if not drained:
             print("kvbridge serve: exiting with held requests left", file=sys.stderr)
     finally:
+        if registrar is not None:
+            registrar.deregister()
         inst.shutdown()
     return 0
 
@@ -340,7 +392,6 @@ def _proxy(args: argparse.Namespace) -> int:
     from kvbridge.server.proxy import run_proxy
 
     _apply_budget_flags(args)
-
     if not 0 < args.timeout < float("inf"):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.prefill_timeout is not None and not 0 < args.prefill_timeout < float("inf"):
@@ -348,10 +399,14 @@ def _proxy(args: argparse.Namespace) -> int:
                           f"{args.prefill_timeout}")
     token = SideChannelConfig.load({"token_file": args.kv_token_file}).token
     check_port_free(args.host, args.port, "--port")
+    registry = _registry_endpoint(args)
+    if registry is None and not (args.prefill and args.decode):
+        raise ConfigError("the proxy needs --prefill and --decode URLs, or --registry")
     run_proxy(args.prefill, args.decode, host=args.host, port=args.port, ca_certs=args.ca_certs,
               client_cert=tuple(args.client_cert) if args.client_cert else None,
               timeout=args.timeout, log_level=args.log_level, prewarm=args.prewarm,
-              kv_token=token, prefill_timeout=args.prefill_timeout)
+              kv_token=token, registry=registry, routing=args.routing,
+              prefill_timeout=args.prefill_timeout)
     return 0
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from kvbridge.errors import ConfigError
 from kvbridge.metadata import DEFAULT_MAX_MESSAGE_BYTES
 
-METHODS = ("zmq", "http")
+METHODS = ("zmq", "http", "etcd")
 
 # -- serving defaults: the one place flags, InstanceOptions, EngineConfig and build_engine
 # take them from -------------------------------------------------------------------------
@@ -40,6 +40,10 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "ssl_ca_certs": ("KVBRIDGE_SSL_CA_CERTS",),
     "ssl_cert_reqs": ("KVBRIDGE_SSL_CERT_REQS",),
     "max_message_bytes": ("KVBRIDGE_MAX_MESSAGE_BYTES",),
+    "registry": ("KVBRIDGE_REGISTRY",),
+    "registry_ca_certs": ("KVBRIDGE_REGISTRY_CA_CERTS",),
+    "registry_certfile": ("KVBRIDGE_REGISTRY_CERTFILE",),
+    "registry_keyfile": ("KVBRIDGE_REGISTRY_KEYFILE",),
 }
 
 # How a port-in-use error names the side-channel port setting.
@@ -89,6 +93,11 @@ class SideChannelConfig:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = ssl.CERT_NONE
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # etcd (etcd://HOST:PORT): where the ``etcd`` method publishes and reads metadata
+    registry: str | None = None
+    registry_ca_certs: str | None = None
+    registry_certfile: str | None = None
+    registry_keyfile: str | None = None
 
     @classmethod
     def load(cls, flags: Mapping[str, Any] | None = None,
@@ -112,6 +121,13 @@ class SideChannelConfig:
         return TLSConfig(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs, self.ssl_cert_reqs)
 
     @property
+    def registry_endpoint(self):  # -> EtcdEndpoint; the registry module needs the fleet extra
+        from kvbridge.registry.etcd import parse_registry_url
+
+        return parse_registry_url(self.registry, ca_certs=self.registry_ca_certs,
+                                  certfile=self.registry_certfile, keyfile=self.registry_keyfile)
+
+    @property
     def advertised(self) -> str:
         return self.advertise_host or self.side_channel_host
 
@@ -119,6 +135,11 @@ class SideChannelConfig:
         """Refuse unsafe or inconsistent settings with a message saying what to change."""
         if self.handshake_method not in METHODS:
             raise ConfigError(f"handshake method {self.handshake_method!r}: use one of {METHODS}")
+        if self.handshake_method == "etcd" and not self.registry:
+            raise ConfigError("the etcd handshake method needs the registry: --registry "
+                              "etcd://HOST:PORT (KVBRIDGE_REGISTRY)")
+        if self.registry:
+            self.registry_endpoint  # noqa: B018 - parsed now, so a bad URL fails at start
         if not 0 < self.handshake_timeout <= 3600:
             raise ConfigError(f"handshake timeout must be in (0, 3600] seconds, got "
                               f"{self.handshake_timeout}")

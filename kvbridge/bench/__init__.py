@@ -10,5 +10,6 @@ BENCHMARKS: dict[str, str] = {
     "sidechannel": "kvbridge.bench.sidechannel",
     "transfer": "kvbridge.bench.transfer",
     "serve": "kvbridge.bench.serve",
+    "fleet": "kvbridge.bench.fleet",
     "hostile": "kvbridge.bench.hostile",
 }

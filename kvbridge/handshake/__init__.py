@@ -1,4 +1,4 @@
-"""Handshake side channel: one strategy interface, two methods (``zmq``, ``http``)."""
+"""Handshake side channel: one strategy interface, three methods (``zmq``, ``http``, ``etcd``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 from zmq import ZMQError  # not `import zmq`: the submodule .zmq would shadow it
 
 from kvbridge.config import SIDE_CHANNEL_PORT_SETTING, SideChannelConfig
+from kvbridge.errors import ConfigError
 from kvbridge.handshake.base import HandshakeClient, HandshakeServer, MetadataStore, Observer
 from kvbridge.handshake.http import HttpHandshakeClient, HttpHandshakeServer
 from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer
@@ -26,6 +27,10 @@ def make_server(config: SideChannelConfig, store: MetadataStore,
     """
     port = config.side_channel_port if port is None else port
     try:
+        if config.handshake_method == "etcd":
+            from kvbridge.handshake.etcd import EtcdHandshakeServer
+
+            return EtcdHandshakeServer(store, config.registry_endpoint, config.advertised, port)
         if config.handshake_method == "http":
             return HttpHandshakeServer(store, config.side_channel_host, port,
                                        token=config.token, tls=config.tls, observer=observer)
@@ -42,6 +47,14 @@ def make_client(config: SideChannelConfig, expected: Compat | None,
                 method: str | None = None) -> HandshakeClient:
     """A client for ``method`` (default: the configured one)."""
     method = method or config.handshake_method
+    if method == "etcd":
+        from kvbridge.handshake.etcd import EtcdHandshakeClient
+
+        if not config.registry:
+            raise ConfigError("a peer uses the etcd handshake method; this instance has no "
+                              "--registry (KVBRIDGE_REGISTRY) to read it from")
+        return EtcdHandshakeClient(config.handshake_timeout, expected, config.token,
+                                   config.max_message_bytes, endpoint=config.registry_endpoint)
     if method == "http":
         return HttpHandshakeClient(config.handshake_timeout, expected, config.token,
                                    config.max_message_bytes, tls=config.tls)

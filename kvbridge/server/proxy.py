@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import ssl
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import anyio
@@ -42,7 +41,12 @@ from kvbridge.guard import GuardCollector, GuardedServer, guarded_config
 from kvbridge.limits import read_json_body
 from kvbridge.params import KVTransferParams
 from kvbridge.server.api import check_request_body
+from kvbridge.server.routing import Backend, Router
 from kvbridge.server.upstream import CLIENT_KEEP_ALIVE, never_reached, send_retrying_once
+
+if TYPE_CHECKING:  # the registry needs the ``fleet`` extra: imported only when used
+    from kvbridge.registry.etcd import EtcdEndpoint
+    from kvbridge.server.membership import Membership
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
@@ -61,6 +65,10 @@ DEFAULT_TIMEOUT = 300.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 _HEALTH_TIMEOUT = 5.0
 
+# A decode that cannot be reached or dropped the connection: retried on another one.
+_DEAD_DECODE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
+                httpx.ReadError, httpx.WriteError)
+_RETRY_DECODE_STATUS = frozenset({502, 503})
 
 _COMPLETIONS = "/v1/completions"
 _CHAT = "/v1/chat/completions"
@@ -153,9 +161,9 @@ def _ssl_context(
     return ctx
 
 
-def _check_urls(role: str, urls: Sequence[str]) -> list[str]:
-    if isinstance(urls, str) or not urls:
-        raise ConfigError(f"the proxy needs a list of at least one {role} URL")
+def _check_urls(role: str, urls: Sequence[str], allow_none: bool = False) -> list[str]:
+    if isinstance(urls, str) or not (urls or allow_none):
+        raise ConfigError(f"the proxy needs a list of at least one {role} URL (or --registry)")
     out = []
     for url in urls:
         parts = urlsplit(url)
@@ -169,18 +177,25 @@ class _UpstreamResponse(StreamingResponse):
     """Relays an engine's streamed response as it arrives and always closes it afterwards,
     also when the client goes away mid-stream (else the engine keeps generating)."""
 
-    def __init__(self, upstream: httpx.Response, url: str, request_id: str) -> None:
+    def __init__(self, upstream: httpx.Response, url: str, request_id: str,
+                 first: bytes | None = None, chunks: AsyncIterator[bytes] | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
         headers["x-request-id"] = request_id
         super().__init__(
-            self._relay(upstream, url), status_code=upstream.status_code, headers=headers
+            self._relay(upstream, url, first, chunks), status_code=upstream.status_code,
+            headers=headers
         )
         self._upstream = upstream
+        self._on_close = on_close
 
     @staticmethod
-    async def _relay(upstream: httpx.Response, url: str) -> AsyncIterator[bytes]:
+    async def _relay(upstream: httpx.Response, url: str, first: bytes | None,
+                     chunks: AsyncIterator[bytes] | None) -> AsyncIterator[bytes]:
         try:
-            async for chunk in upstream.aiter_bytes():
+            if first:  # read ahead to know the decode was alive at its first token
+                yield first
+            async for chunk in chunks or upstream.aiter_bytes():
                 yield chunk
         except httpx.HTTPError as exc:
             # The status is already sent; aborting the connection tells the client it's cut.
@@ -193,20 +208,21 @@ class _UpstreamResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._upstream.aclose()
+            if self._on_close is not None:
+                self._on_close()
 
 
 class _Proxy:
     def __init__(
         self,
-        prefill_urls: list[str],
-        decode_urls: list[str],
+        router: Router,
         verify: ssl.SSLContext | bool,
         timeout: httpx.Timeout,
         prewarm: bool = True,
         kv_token: str | None = None,
         prefill_timeout: float | None = None,
     ) -> None:
-        self.prefill_urls = prefill_urls
+        self.router = router
         self.prefill_timeout = prefill_timeout
         self.prewarm = prewarm
         self.kv_token = kv_token
@@ -228,13 +244,45 @@ class _Proxy:
         self.releases = Counter("kvbridge_proxy_kv_releases",
                                 "Prefill holds released after a failed decode hop, by outcome",
                                 ["outcome"], registry=r)
+        self.failovers = Counter("kvbridge_proxy_failovers",
+                                 "Requests retried on another instance, by failed hop",
+                                 ["stage"], registry=r)
         self._tasks: set[asyncio.Task] = set()
-        self.decode_urls = decode_urls
-        self._prefills = itertools.cycle(prefill_urls)
-        self._decodes = itertools.cycle(decode_urls)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.membership: Membership | None = None
         self._verify = verify
         self._timeout = timeout
         self._client: httpx.AsyncClient | None = None
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return self.router.urls("prefill")
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return self.router.urls("decode")
+
+    def backend_added(self, backend: Backend) -> None:
+        """A new instance (from the registry): prewarm its pairs, from any thread."""
+        if self.prewarm and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._prewarm_new, backend)
+
+    def _prewarm_new(self, backend: Backend) -> None:
+        others = self.router.backends("decode" if backend.serves("prefill") else "prefill")
+        pairs = [(backend.url, o.url) if backend.serves("prefill") else (o.url, backend.url)
+                 for o in others if o.compatible(backend) and o.url != backend.url]
+        for p, d in pairs:
+            task = asyncio.create_task(self._prewarm_pair(p, d))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def fleet(self, request: Request) -> Response:
+        view = self.router.view()
+        if (m := self.membership) is not None:
+            view["registry"] = {"url": m.registry.endpoint.url, "connected": m.connected.is_set(),
+                                "reads": m.registry.reads, "writes": m.registry.writes,
+                                "events": m.events}
+        return JSONResponse(view)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -257,12 +305,20 @@ class _Proxy:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self._client = self._new_client()
+        self._loop = asyncio.get_running_loop()
         task = asyncio.create_task(self._prewarm_all()) if self.prewarm else None
+        if self.membership is not None:
+            self.membership.start()
+            # Serve with the registry's view when it answers soon; else start empty.
+            await asyncio.to_thread(self.membership.synced.wait, _HEALTH_TIMEOUT)
         try:
             yield
         finally:
             if task is not None:
                 task.cancel()
+            self._loop = None
+            if self.membership is not None:
+                await asyncio.to_thread(self.membership.close)
             if self._tasks:  # releases under way: let them reach the prefills
                 await asyncio.wait(self._tasks, timeout=_HEALTH_TIMEOUT)
             client, self._client = self._client, None
@@ -361,8 +417,44 @@ class _Proxy:
             return _error(e.status, e.message, e.type, e.param)
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = self._engine_headers(request, request_id)
+        # Failover: a prefill that fails before the decode hop, or a decode that fails
+        # before its first token, is retried once on another instance.
+        failed_p: set[str] = set()
+        failed_d: set[str] = set()
+        error: Response | None = None
+        for attempt in (0, 1):
+            pair = self.router.pick_pair(failed_p, failed_d)
+            if pair is None:
+                break
+            if attempt:
+                self.failovers.labels("prefill" if failed_p else "decode").inc()
+                # The engines may still hold the first attempt under the client's id (its
+                # release is on its way): the retry goes under an id of its own.
+                headers = {**headers, "x-request-id": f"{request_id}-retry"}
+            p, d = pair
+            error, kv_params, decode_body = await self._prefill_hop(p, body, endpoint,
+                                                                    headers, request_id)
+            if error is not None:
+                if kv_params is None:
+                    return error  # the engine refused the request: not the engine's fault
+                failed_p.add(p.url)
+                continue
+            error, response = await self._decode_hop(p, d, kv_params, decode_body, endpoint,
+                                                     headers, request_id, last=attempt == 1)
+            if response is not None:
+                return response
+            failed_d.add(d.url)
+        return error or _error(503, "no compatible prefill and decode instances are "
+                                    "available", "service_unavailable")
 
-        prefill = next(self._prefills)
+    async def _prefill_hop(
+        self, p: Backend, body: dict[str, Any], endpoint: str, headers: dict[str, str],
+        request_id: str
+    ) -> tuple[Response | None, Any, dict[str, Any]]:
+        """(error, kv_params, decode body). An error with kv_params ``True`` may be
+        retried elsewhere; with None it is final."""
+        prefill = p.url
+        release = self.router.acquire(p)
         preq = self.client.build_request(
             "POST", prefill + endpoint, content=_dumps(_prefill_body(body, endpoint)),
             headers=headers,
@@ -375,10 +467,20 @@ class _Proxy:
         except httpx.HTTPError as exc:
             log.warning("request %s: prefill %s failed: %r", request_id, prefill, exc)
             self.upstream_errors.labels("prefill").inc()
-            if self.prefill_timeout is not None and isinstance(exc, httpx.TimeoutException):
+            if self.prefill_timeout is not None and isinstance(
+                    exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+                # Not answered within --prefill-timeout: another prefill may answer in time.
                 return _error(504, f"prefill {prefill} did not answer within "
-                                   f"{self.prefill_timeout:g}s (--prefill-timeout)", "timeout")
-            return _transport_error("prefill", prefill, exc)
+                                   f"{self.prefill_timeout:g}s (--prefill-timeout)",
+                              "timeout"), True, body
+            # A read timeout is a prefill still at work: retrying it elsewhere doubles the wait.
+            retry = not isinstance(exc, httpx.TimeoutException) or isinstance(
+                exc, httpx.ConnectTimeout)
+            if retry:
+                self.router.failed(p)
+            return _transport_error("prefill", prefill, exc), (True if retry else None), body
+        finally:
+            release()
         if not presp.is_success:
             message, etype, param = _upstream_reason(presp)
             log.warning(
@@ -390,18 +492,22 @@ class _Proxy:
             )
             # Pass the engine's own status on, except a 1xx/3xx which a client can't act on.
             status = presp.status_code if presp.status_code >= 400 else 502
+            if status >= 500:
+                self.router.failed(p)
             return _error(
                 status,
                 f"prefill {prefill} returned {presp.status_code}: {message}",
                 etype or "upstream_error",
                 param,
-            )
+            ), (True if status >= 500 else None), body
         try:
             pdata = presp.json()
         except ValueError:
             pdata = None
         if not isinstance(pdata, dict):
-            return _error(502, f"prefill {prefill} returned a body that is not a JSON object")
+            return _error(502, f"prefill {prefill} returned a body that is not a JSON "
+                               "object"), True, body
+        self.router.succeeded(p)
 
         decode_body = dict(body)
         kv_params = pdata.get("kv_transfer_params")
@@ -415,24 +521,62 @@ class _Proxy:
             decode_body.pop("kv_transfer_params", None)
         else:
             decode_body["kv_transfer_params"] = kv_params
+        return None, kv_params, decode_body
 
-        decode = next(self._decodes)
+    async def _decode_hop(
+        self, p: Backend, d: Backend, kv_params: Any, decode_body: dict[str, Any],
+        endpoint: str, headers: dict[str, str], request_id: str, last: bool
+    ) -> tuple[Response | None, Response | None]:
+        """(error, response): a response for the client, or the error of a decode that
+        failed before its first token (the prefill's hold released), to be retried."""
+        decode, prefill = d.url, p.url
+        release = self.router.acquire(d)
         dreq = self.client.build_request(
             "POST", decode + endpoint, content=_dumps(decode_body), headers=headers
         )
         try:
             dresp = await send_retrying_once(self.client, dreq, stream=True)
         except httpx.HTTPError as exc:
+            release()
             log.warning("request %s: decode %s failed: %r", request_id, decode, exc)
             self.upstream_errors.labels("decode").inc()
-            if kv_params is not None and never_reached(exc):
+            dead = isinstance(exc, _DEAD_DECODE)
+            if dead:
+                self.router.failed(d)
+            if kv_params is not None and (dead or never_reached(exc)):
                 self._release_later(prefill, kv_params, request_id)
-            return _transport_error("decode", decode, exc)
-        if kv_params is not None and dresp.status_code >= 400:
-            # The decode answered with an error before its first token: its load (if it
-            # started one) is over, and nobody will read the prefill's blocks.
-            self._release_later(prefill, kv_params, request_id)
-        return _UpstreamResponse(dresp, decode, request_id)
+            response = _transport_error("decode", decode, exc)
+            return (response, None) if dead and not last else (None, response)
+        if dresp.status_code >= 400:
+            if kv_params is not None:
+                # The decode answered with an error before its first token: its load (if
+                # it started one) is over, and nobody will read the prefill's blocks.
+                self._release_later(prefill, kv_params, request_id)
+            if dresp.status_code in _RETRY_DECODE_STATUS and not last:
+                self.router.failed(d)
+                await dresp.aclose()
+                release()
+                return _error(502, f"decode {decode} returned {dresp.status_code}"), None
+            return None, _UpstreamResponse(dresp, decode, request_id, on_close=release)
+        chunks = dresp.aiter_bytes()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except httpx.HTTPError as exc:  # died before its first token
+            await dresp.aclose()
+            release()
+            log.warning("request %s: decode %s failed before its first token: %r",
+                        request_id, decode, exc)
+            self.upstream_errors.labels("decode").inc()
+            self.router.failed(d)
+            if kv_params is not None:
+                self._release_later(prefill, kv_params, request_id)
+            response = _transport_error("decode", decode, exc)
+            return (response, None) if not last else (None, response)
+        self.router.succeeded(d)
+        return None, _UpstreamResponse(dresp, decode, request_id, first, chunks,
+                                       on_close=release)
 
     def _release_later(self, prefill: str, kv_params: Any, request_id: str) -> None:
         task = asyncio.create_task(self._release(prefill, kv_params, request_id))
@@ -456,6 +600,8 @@ class _Proxy:
                         prefill, outcome)
 
     async def models(self, request: Request) -> Response:
+        if not self.decode_urls:
+            return _error(503, "no decode instance is known yet", "service_unavailable")
         url = self.decode_urls[0]
         headers = {}
         if (auth := request.headers.get("authorization")) is not None:
@@ -504,9 +650,14 @@ def build_proxy_app(
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     prewarm: bool = True,
     kv_token: str | None = None,
+    registry: EtcdEndpoint | None = None,
+    routing: str = "least-outstanding",
     prefill_timeout: float | None = None,
 ) -> Starlette:
     """The P/D proxy as a Starlette app.
+
+    Engines come from the static lists and, with ``registry``, from watching etcd;
+    ``routing`` picks among them (see ``kvbridge.server.routing``).
 
     ``ca_certs`` verifies https engines (default: certifi's bundle); ``client_cert`` is a
     (certfile, keyfile) pair presented for mTLS. ``timeout`` bounds each read/write towards an
@@ -515,15 +666,24 @@ def build_proxy_app(
     side-channel token the decodes require for that). ``prefill_timeout`` bounds the
     prefill hop alone (default: ``timeout``): past it the client gets a 504 saying so.
     """
+    router = Router(routing)
+    router.add_static("prefill", _check_urls("prefill", prefill_urls, registry is not None))
+    router.add_static("decode", _check_urls("decode", decode_urls, registry is not None))
+    verify = _ssl_context(ca_certs, client_cert)
     proxy = _Proxy(
-        _check_urls("prefill", prefill_urls),
-        _check_urls("decode", decode_urls),
-        _ssl_context(ca_certs, client_cert),
+        router,
+        verify,
         httpx.Timeout(timeout, connect=connect_timeout),
         prewarm,
         kv_token,
         prefill_timeout,
     )
+    if registry is not None:
+        from kvbridge.registry.etcd import EtcdRegistry
+        from kvbridge.server.membership import Membership
+
+        proxy.membership = Membership(EtcdRegistry(registry), router, verify=verify)
+        router.on_added = proxy.backend_added
     routes = [
         Route(_COMPLETIONS, proxy.completions_endpoint(_COMPLETIONS), methods=["POST"]),
         Route(_CHAT, proxy.completions_endpoint(_CHAT), methods=["POST"]),
@@ -532,6 +692,7 @@ def build_proxy_app(
         Route("/healthz/backends", proxy.backends_health, methods=["GET"]),
         Route("/v1/kv/prewarm", proxy.prewarm_status, methods=["GET"]),
         Route("/metrics", proxy.metrics, methods=["GET"]),
+        Route("/v1/fleet", proxy.fleet, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=proxy.lifespan)
     app.state.proxy = proxy
@@ -553,6 +714,8 @@ def run_proxy(
     log_level: str = "info",
     prewarm: bool = True,
     kv_token: str | None = None,
+    registry: EtcdEndpoint | None = None,
+    routing: str = "least-outstanding",
     prefill_timeout: float | None = None,
 ) -> None:
     """Serve the proxy with uvicorn until interrupted.
@@ -568,12 +731,15 @@ def run_proxy(
         connect_timeout=connect_timeout,
         prewarm=prewarm,
         kv_token=kv_token,
+        registry=registry,
+        routing=routing,
         prefill_timeout=prefill_timeout,
     )
     scheme = "https" if ssl_certfile else "http"
     print(
         f"kvbridge proxy on {scheme}://{host}:{port} "
-        f"prefill={','.join(prefill_urls)} decode={','.join(decode_urls)}",
+        f"prefill={','.join(prefill_urls)} decode={','.join(decode_urls)}"
+        + (f" registry={registry.url} routing={routing}" if registry else ""),
         flush=True,
     )
     config = uvicorn.Config(

@@ -1,0 +1,371 @@
+"""etcd v3 through its gRPC gateway (JSON over HTTP/1.1), with the ``etcd3gw`` client.
+
+Unary calls (lease grant/keep-alive/revoke, put, range) go through ``etcd3gw``; the watch
+is read here, line by line from the gateway's stream, because a watch that ends (etcd
+restarted) or reports a compaction must be noticed, which etcd3gw's watcher does not do.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import requests
+from etcd3gw.client import Etcd3Client
+from etcd3gw.exceptions import Etcd3Exception
+from etcd3gw.lease import Lease
+
+from kvbridge.errors import ConfigError
+from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord, instance_key
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL = 10  # seconds a registration outlives its instance's last keep-alive
+DEFAULT_OP_TIMEOUT = 2.0  # one unary call to etcd; etcd down must not stall anyone long
+
+
+class RegistryError(Exception):
+    """etcd could not be reached or refused a call."""
+
+
+class WatchCompacted(RegistryError):
+    """The revision to resume from is gone: list again, then watch."""
+
+
+@dataclass(frozen=True)
+class EtcdEndpoint:
+    """Where etcd is and how to reach it: ``etcd://`` plain, ``etcds://`` TLS."""
+
+    host: str
+    port: int
+    tls: bool = False
+    ca_certs: str | None = None
+    certfile: str | None = None  # client certificate (etcd's --client-cert-auth)
+    keyfile: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{'etcds' if self.tls else 'etcd'}://{self.host}:{self.port}"
+
+
+def parse_registry_url(
+    url: str,
+    *,
+    ca_certs: str | None = None,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+) -> EtcdEndpoint:
+    """``etcd://HOST:PORT`` or ``etcds://HOST:PORT``; anything else is a ``ConfigError``."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("etcd", "etcds") or not parts.hostname or parts.path not in ("", "/"):
+        raise ConfigError(f"registry {url!r}: expected etcd://HOST:PORT or etcds://HOST:PORT")
+    try:
+        port = parts.port or 2379
+    except ValueError:
+        raise ConfigError(f"registry {url!r}: bad port") from None
+    if (certfile is None) != (keyfile is None):
+        raise ConfigError("the registry's client certificate needs both a cert and a key file")
+    tls = parts.scheme == "etcds" or ca_certs is not None or certfile is not None
+    return EtcdEndpoint(parts.hostname, port, tls, ca_certs, certfile, keyfile)
+
+
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _prefix_end(prefix: str) -> str:
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1
+    return _b64(bytes(raw))
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    kind: str  # "put" or "delete"
+    key: str
+    value: bytes
+    revision: int
+
+
+class EtcdRegistry:
+    """A small etcd v3 client: what registration, membership and the etcd handshake need.
+
+    Counts its calls (``reads``/``writes``) so a benchmark can show none is made per request.
+    """
+
+    def __init__(self, endpoint: EtcdEndpoint, timeout: float = DEFAULT_OP_TIMEOUT):
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.reads = 0
+        self.writes = 0
+        self._client = Etcd3Client(
+            host=endpoint.host,
+            port=endpoint.port,
+            protocol="https" if endpoint.tls else "http",
+            ca_cert=endpoint.ca_certs,
+            cert_key=endpoint.keyfile,
+            cert_cert=endpoint.certfile,
+            timeout=timeout,
+            api_path="/v3/",
+        )  # etcd >= 3.4; skips a version round trip
+        self._client.session.trust_env = False  # never through HTTP(S)_PROXY
+        self._watch_lock = threading.Lock()
+        self._watches: set[requests.Response] = set()
+
+    def _call(self, fn: Callable[[], object], write: bool) -> object:
+        if write:
+            self.writes += 1
+        else:
+            self.reads += 1
+        try:
+            return fn()
+        except (Etcd3Exception, requests.RequestException, KeyError, ValueError) as e:
+            raise RegistryError(f"etcd {self.endpoint.url}: {type(e).__name__}: {e}") from None
+
+    def grant(self, ttl: int) -> Lease:
+        return self._call(lambda: self._client.lease(ttl), True)  # type: ignore[return-value]
+
+    def keepalive(self, lease: Lease) -> int:
+        """The lease's new TTL; <= 0 when etcd no longer knows it (expired)."""
+        return self._call(lease.refresh, True)  # type: ignore[return-value]
+
+    def revoke(self, lease: Lease) -> None:
+        self._call(lease.revoke, True)
+
+    def put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
+        self._call(lambda: self._client.put(key, value, lease), True)
+
+    def delete(self, key: str) -> None:
+        self._call(lambda: self._client.delete(key), True)
+
+    def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]:
+        """Every key under ``prefix`` and the store's revision they were read at."""
+
+        def call() -> dict:
+            return self._client.post(
+                self._client.get_url("/kv/range"),
+                json={"key": _b64(prefix), "range_end": _prefix_end(prefix)},
+            )
+
+        result = self._call(call, False)
+        assert isinstance(result, dict)
+        revision = int(result["header"]["revision"])
+        kvs = {
+            base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", ""))
+            for kv in result.get("kvs", [])
+        }
+        return kvs, revision
+
+    def watch_prefix(self, prefix: str, start_revision: int) -> Iterator[WatchEvent]:
+        """Events under ``prefix`` from ``start_revision`` on, until the stream ends: then
+        ``RegistryError`` (``WatchCompacted`` if that revision is gone). ``close`` ends it."""
+        self.reads += 1
+        body = {
+            "create_request": {
+                "key": _b64(prefix),
+                "range_end": _prefix_end(prefix),
+                "start_revision": start_revision,
+            }
+        }
+        session = requests.Session()
+        session.trust_env = False
+        session.verify = self._client.session.verify
+        session.cert = self._client.session.cert
+        try:
+            resp = session.post(
+                self._client.get_url("/watch"), json=body, stream=True, timeout=(self.timeout, None)
+            )
+        except requests.RequestException as e:
+            raise RegistryError(f"etcd {self.endpoint.url}: watch: {e}") from None
+        with self._watch_lock:
+            self._watches.add(resp)
+        try:
+            yield from self._read_stream(resp)
+        except (requests.RequestException, OSError, AttributeError) as e:
+            raise RegistryError(f"etcd {self.endpoint.url}: watch broke: {e!r}") from None
+        finally:
+            with self._watch_lock:
+                self._watches.discard(resp)
+            resp.close()
+            session.close()
+        raise RegistryError(f"etcd {self.endpoint.url}: watch stream ended")
+
+    @staticmethod
+    def _read_stream(resp: requests.Response) -> Iterator[WatchEvent]:
+        if resp.status_code != 200:
+            raise RegistryError(f"watch answered {resp.status_code}: {resp.text[:200]}")
+        decoder = json.JSONDecoder()
+        buf = ""
+        for chunk in resp.iter_content(chunk_size=None):
+            buf += chunk.decode()
+            while True:
+                buf = buf.lstrip()
+                if not buf:
+                    break
+                try:
+                    msg, end = decoder.raw_decode(buf)
+                except ValueError:
+                    break  # an incomplete message: wait for the rest
+                buf = buf[end:]
+                if "error" in msg:
+                    raise RegistryError(f"watch error: {msg['error']}")
+                result = msg.get("result", {})
+                if int(result.get("compact_revision", 0) or 0) > 0:
+                    raise WatchCompacted(f"compacted at {result['compact_revision']}")
+                if result.get("canceled"):
+                    raise RegistryError(f"watch canceled: {result.get('cancel_reason', '')}")
+                for ev in result.get("events", []):
+                    kv = ev["kv"]
+                    yield WatchEvent(
+                        "delete" if ev.get("type") == "DELETE" else "put",
+                        base64.b64decode(kv["key"]).decode(),
+                        base64.b64decode(kv.get("value", "")),
+                        int(kv.get("mod_revision", 0)),
+                    )
+
+    def close(self) -> None:
+        """Ends every watch in progress (their iterators raise ``RegistryError``)."""
+        with self._watch_lock:
+            watches = list(self._watches)
+        for resp in watches:
+            try:
+                # Shutting the socket down wakes a reader blocked on it.
+                sock = resp.raw._fp.fp.raw._sock  # type: ignore[union-attr]
+                sock.shutdown(2)
+            except Exception:  # noqa: BLE001 - already closed or another layout
+                pass
+            resp.close()
+        self._client.session.close()
+
+
+class Registrar:
+    """Keeps one instance's record in etcd under a lease while the instance is up.
+
+    A thread grants the lease, puts the record, and keeps the lease alive every third
+    of the TTL (rewriting the record only when it changed, e.g. its load). etcd down: the
+    instance keeps serving; the lease is re-granted and the record re-put once etcd is
+    back. ``deregister`` revokes the lease, so the record goes at once, not at the TTL.
+    ``health`` (None: healthy, else why not) is asked before every keep-alive: an instance
+    that cannot serve is withdrawn (lease revoked) until it can again.
+    """
+
+    def __init__(
+        self,
+        registry: EtcdRegistry,
+        record: Callable[[], InstanceRecord],
+        ttl: int = DEFAULT_TTL,
+        prefix: str = INSTANCES_PREFIX,
+        health: Callable[[], str | None] | None = None,
+    ):
+        if ttl < 1:
+            raise ConfigError(f"registry TTL must be at least 1 second, got {ttl}")
+        self.registry = registry
+        self.ttl = int(ttl)
+        self.prefix = prefix
+        self.registrations = 0  # how many times the record was (re-)written with a new lease
+        self._record = record
+        self._health = health
+        self._lease: Lease | None = None
+        self._written: InstanceRecord | None = None
+        self._stop = threading.Event()
+        self._registered = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvbridge-registrar", daemon=True)
+
+    @property
+    def key(self) -> str:
+        return instance_key(self._record(), self.prefix)
+
+    @property
+    def lease(self) -> Lease | None:
+        return self._lease
+
+    def start(self) -> Registrar:
+        self._thread.start()
+        return self
+
+    def wait_registered(self, timeout: float) -> bool:
+        return self._registered.wait(timeout)
+
+    def _register(self) -> None:
+        lease = self.registry.grant(self.ttl)
+        record = self._record()
+        self.registry.put(instance_key(record, self.prefix), record.encode(), lease)
+        self._lease, self._written = lease, record
+        self.registrations += 1
+        self._registered.set()
+        log.info(
+            "registered %s in %s (lease %x, ttl %ds)",
+            instance_key(record, self.prefix),
+            self.registry.endpoint.url,
+            lease.id,
+            self.ttl,
+        )
+
+    def _run(self) -> None:
+        interval = max(self.ttl / 3, 0.2)
+        last_ok = due = time.monotonic()
+        failing = False
+        while not self._stop.is_set():
+            # Health is looked at every half second, etcd only when the keep-alive is due.
+            why = None if self._health is None else self._health()
+            if why is not None:
+                self._withdraw(why)
+            elif self._lease is None or time.monotonic() >= due:
+                try:
+                    if self._lease is None:
+                        self._register()
+                    elif self.registry.keepalive(self._lease) <= 0:
+                        log.warning("registry lease expired; registering again")
+                        self._lease = None
+                        self._registered.clear()
+                        continue
+                    else:
+                        record = self._record()
+                        if record != self._written:
+                            self.registry.put(
+                                instance_key(record, self.prefix), record.encode(), self._lease
+                            )
+                            self._written = record
+                    last_ok, failing = time.monotonic(), False
+                    due = last_ok + interval
+                except RegistryError as e:
+                    if not failing:
+                        log.warning("registry unreachable, still serving: %s", e)
+                    failing = True
+                    if self._lease is not None and time.monotonic() - last_ok > self.ttl:
+                        self._lease = None  # it has expired by now: register anew when back
+                        self._registered.clear()
+                    due = time.monotonic() + min(interval, 0.5)
+            self._stop.wait(min(interval, 0.5))
+
+    def _withdraw(self, why: str) -> None:
+        lease, self._lease = self._lease, None
+        self._registered.clear()
+        if lease is None:
+            return
+        log.warning("withdrawing the registration: %s", why)
+        try:
+            self.registry.revoke(lease)
+        except RegistryError as e:
+            log.warning("could not revoke (the lease ends by itself): %s", e)
+
+    def deregister(self, timeout: float = DEFAULT_OP_TIMEOUT) -> bool:
+        """Stop keeping the lease and revoke it (the record is deleted with it)."""
+        self._stop.set()
+        self._thread.join(timeout=timeout + self.registry.timeout)
+        lease, self._lease = self._lease, None
+        self._registered.clear()
+        if lease is None:
+            return False
+        try:
+            self.registry.revoke(lease)
+            return True
+        except RegistryError as e:
+            log.warning("could not deregister (the lease ends by itself): %s", e)
+            return False

@@ -1,0 +1,175 @@
+"""The proxy's live view of the fleet, kept by watching the registry.
+
+One thread lists the instances once, then follows etcd's watch from the next revision:
+an instance appears in the router within the watch's latency, with no polling loop. If
+etcd goes away the view is kept as it was and the thread lists and watches again when it
+is back. A record that disappears is dropped at once if the instance does not answer its
+``/health``; one that still answers (its lease ran out while etcd was paused, say) is kept
+for ``grace`` seconds, in which its registrar normally writes it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import httpx
+import msgspec
+
+from kvbridge.registry.etcd import EtcdRegistry, RegistryError, WatchCompacted
+from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord
+from kvbridge.server.routing import Backend, Router
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE = 15.0
+
+
+def backend_of(record: InstanceRecord) -> Backend:
+    info = {
+        "model": record.model,
+        "load": record.load,
+        "side_channel": None
+        if record.side_channel_port is None
+        else f"{record.handshake_method}://{record.side_channel_host}:{record.side_channel_port}",
+    }
+    return Backend(
+        record.api_url.rstrip("/"),
+        record.role,
+        "registry",
+        record.engine_id,
+        record.epoch,
+        record.compat_hash,
+        record.tp_size,
+        info,
+    )
+
+
+class Membership:
+    """Feeds ``router`` from the registry until ``close``."""
+
+    def __init__(
+        self,
+        registry: EtcdRegistry,
+        router: Router,
+        *,
+        prefix: str = INSTANCES_PREFIX,
+        grace: float = DEFAULT_GRACE,
+        verify: object = True,
+        probe_timeout: float = 1.0,
+    ):
+        self.registry = registry
+        self.router = router
+        self.prefix = prefix
+        self.grace = grace
+        self.connected = threading.Event()  # listed and watching
+        self.synced = threading.Event()  # listed at least once
+        self.events = 0
+        self._keys: dict[str, str] = {}  # registry key -> API url
+        self._orphans: dict[str, float] = {}  # url -> when its record went
+        self._lock = threading.Lock()  # the watch thread and the orphans' timers
+        self._stop = threading.Event()
+        self._probe = httpx.Client(
+            verify=verify,
+            timeout=probe_timeout,  # type: ignore[arg-type]
+            trust_env=False,
+        )
+        self._thread = threading.Thread(target=self._run, name="kvbridge-membership", daemon=True)
+
+    def start(self) -> Membership:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self.registry.close()
+        self._thread.join(timeout=5)
+        self._probe.close()
+
+    def _run(self) -> None:
+        delay = 0.1
+        while not self._stop.is_set():
+            try:
+                records, revision = self.registry.get_prefix(self.prefix)
+                self._resync(records)
+                self.synced.set()
+                self.connected.set()
+                delay = 0.1
+                for ev in self.registry.watch_prefix(self.prefix, revision + 1):
+                    self.events += 1
+                    if ev.kind == "put":
+                        self._put(ev.key, ev.value)
+                    else:
+                        self._gone(ev.key)
+            except WatchCompacted as e:
+                log.info("registry watch: %s; listing again", e)
+            except RegistryError as e:
+                if self._stop.is_set():
+                    break
+                if self.connected.is_set():
+                    log.warning("registry unreachable, routing on the last view: %s", e)
+                self.connected.clear()
+                self._stop.wait(delay)
+                delay = min(delay * 2, 2.0)
+            self._expire_orphans()
+
+    def _put(self, key: str, value: bytes) -> None:
+        try:
+            record = InstanceRecord.decode(value)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            log.warning("registry: ignoring malformed record %s: %s", key, e)
+            return
+        backend = self.router.upsert(backend_of(record))
+        with self._lock:
+            old = self._keys.get(key)
+            self._keys[key] = backend.url
+            self._orphans.pop(backend.url, None)
+            stale = old is not None and old != backend.url and old not in self._keys.values()
+        if stale:
+            self.router.remove(old)
+
+    def _resync(self, records: dict[str, bytes]) -> None:
+        for key in [k for k in self._keys if k not in records]:
+            self._gone(key)
+        for key, value in records.items():
+            self._put(key, value)
+
+    def _gone(self, key: str) -> None:
+        with self._lock:
+            url = self._keys.pop(key, None)
+            # another record (a restart under a new engine id) may name the same URL
+            if url is None or url in self._keys.values():
+                return
+        if self.router.get(url) is None:
+            return
+        if self._alive(url):
+            log.info("registry: %s deregistered but answers; keeping it %gs", url, self.grace)
+            with self._lock:
+                self._orphans[url] = time.monotonic()
+            timer = threading.Timer(self.grace, self._expire_orphans)
+            timer.daemon = True  # must not hold the proxy's exit
+            timer.start()
+        else:
+            self.router.remove(url)
+            log.info("registry: %s gone", url)
+
+    def _alive(self, url: str) -> bool:
+        try:
+            return self._probe.get(url + "/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _expire_orphans(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [
+                url
+                for url, since in self._orphans.items()
+                if now - since >= self.grace and url not in self._keys.values()
+            ]
+            for url in expired:
+                del self._orphans[url]
+        for url in expired:
+            self.router.remove(url)
+            log.info("registry: %s not registered again within %gs; dropped", url, self.grace)

@@ -1,0 +1,263 @@
+"""A fleet for real: etcd, two prefills and two decodes registered in it, and a
+``kvbridge proxy --registry`` that discovers them by watching. Under 8 clients: a prefill
+is SIGKILLed, a third decode joins, etcd is frozen for 10 s; no client sees an error and
+every answer equals a single engine's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvbridge.launch import KVBridgeProcess, free_port
+from kvbridge.registry import INSTANCES_PREFIX, EtcdRegistry, InstanceRecord, parse_registry_url
+from kvbridge.registry.server import EtcdProcess
+from tests.conftest import ROOT
+from tests.e2e.conftest import PROMPTS, START_TIMEOUT, Serve, complete
+
+pytestmark = pytest.mark.slow
+
+TTL = 3
+CLIENTS = 8
+FLEET_PROMPTS = [*PROMPTS, "Fleets grow: more prefills, more decodes, one proxy in front."]
+
+
+def _wait(cond: Callable[[], object], timeout: float, what: str) -> float:
+    """Poll ``cond`` until true; returns when it became so (monotonic)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.02)
+    return time.monotonic()
+
+
+class Load:
+    """``CLIENTS`` threads sending completions through the proxy until stopped, checking
+    each answer against the reference."""
+
+    def __init__(self, url: str, reference: dict[str, str]):
+        self.url, self.reference = url, reference
+        self.ok = 0
+        self.errors: list[str] = []
+        self.streaming = True  # half the requests streamed while set
+        self.done = [0] * CLIENTS  # requests finished, per client
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(CLIENTS)
+        ]
+
+    def _run(self, i: int) -> None:
+        n = i
+        while not self._stop.is_set():
+            prompt = FLEET_PROMPTS[n % len(FLEET_PROMPTS)]
+            try:
+                got = complete(self.url, prompt, stream=self.streaming and bool(n % 2))
+                error = None if got == self.reference[prompt] else f"wrong answer {got!r}"
+            except (AssertionError, httpx.HTTPError) as e:
+                error = f"{type(e).__name__}: {str(e)[:300]}"
+            with self._lock:
+                if error is None:
+                    self.ok += 1
+                else:
+                    self.errors.append(error)
+                self.done[i] += 1
+            n += 1
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(90)
+
+    def progress(self, n: int, timeout: float = 60) -> None:
+        """Wait until ``n`` more requests have succeeded."""
+        target = self.ok + n
+        _wait(lambda: self.ok >= target or self.errors, timeout, f"{n} more answers")
+        assert not self.errors, self.errors[:5]
+
+
+def _serve(name: str, log_dir: Path, role: str, etcd: EtcdProcess) -> Serve:
+    return Serve(
+        name,
+        log_dir,
+        "--role",
+        role,
+        "--handshake",
+        "http",
+        "--side-channel-port",
+        "0",
+        "--handshake-timeout",
+        "3",
+        "--transfer-timeout",
+        "5",
+        "--registry",
+        etcd.url,
+        "--registry-ttl",
+        str(TTL),
+    )
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> Iterator[dict]:
+    log_dir = tmp_path_factory.mktemp("fleet")
+    etcd = EtcdProcess(log_dir=log_dir).start()
+    procs: dict[str, KVBridgeProcess] = {}
+    try:
+        for name, role in (
+            ("p0", "prefill"),
+            ("p1", "prefill"),
+            ("d0", "decode"),
+            ("d1", "decode"),
+        ):
+            procs[name] = _serve(name, log_dir, role, etcd)
+        port = free_port()
+        procs["proxy"] = KVBridgeProcess(
+            "proxy",
+            log_dir,
+            "proxy",
+            "--registry",
+            etcd.url,
+            "--port",
+            str(port),
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            log_level="info",
+        )
+        deadline = time.monotonic() + START_TIMEOUT
+        for p in procs.values():
+            if isinstance(p, Serve):
+                p.wait_ready(deadline)
+        proxy_url = f"http://127.0.0.1:{port}"
+        procs["proxy"].wait_healthy(proxy_url + "/health", deadline)
+        yield {"etcd": etcd, "procs": procs, "proxy": proxy_url, "log_dir": log_dir}
+    finally:
+        for p in procs.values():
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
+        etcd.close()
+
+
+def _fleet(proxy: str) -> dict:
+    return httpx.get(proxy + "/v1/fleet", timeout=10).json()
+
+
+def _routed(proxy: str, url: str) -> int | None:
+    """Requests the proxy routed to ``url``; None once it is out of the view."""
+    view = _fleet(proxy)
+    found = [b["routed"] for b in view["prefill"] + view["decode"] if b["url"] == url]
+    return found[0] if found else None
+
+
+def _registered(etcd: EtcdProcess) -> set[str]:
+    reg = EtcdRegistry(parse_registry_url(etcd.url))
+    return {InstanceRecord.decode(v).api_url for v in reg.get_prefix(INSTANCES_PREFIX)[0].values()}
+
+
+def test_fleet_failover_join_and_registry_outage(fleet):
+    procs, proxy, etcd = fleet["procs"], fleet["proxy"], fleet["etcd"]
+    p0, p1, d0, d1 = (procs[n] for n in ("p0", "p1", "d0", "d1"))
+    # the reference: a decode instance alone computes the prompt itself
+    reference = {q: complete(d0.url, q) for q in FLEET_PROMPTS}
+    _wait(
+        lambda: (
+            {b["url"] for b in _fleet(proxy)["prefill"] + _fleet(proxy)["decode"]}
+            == {p0.url, p1.url, d0.url, d1.url}
+        ),
+        10,
+        "the proxy sees all four",
+    )
+
+    with Load(proxy, reference) as load:
+        load.progress(16)
+        for e in (p0, p1, d0, d1):  # traffic on every instance
+            assert (_routed(proxy, e.url) or 0) > 0, (e.name, _fleet(proxy))
+
+        # 1. SIGKILL a prefill under load: nobody notices
+        t_kill = time.monotonic()
+        p0.proc.send_signal(signal.SIGKILL)
+        p0.proc.wait()
+        # Polled from the kill on: once the proxy has put p0 aside (a failed attempt sends
+        # it to cool down) nothing more is routed to it, and it leaves the view when its
+        # lease expires.
+        routed_while_aside: list[int] = []
+
+        def out_of_view() -> bool:
+            entry = [b for b in _fleet(proxy)["prefill"] if b["url"] == p0.url]
+            if entry and entry[0]["cooling_down"]:
+                routed_while_aside.append(entry[0]["routed"])
+            return not entry
+
+        t_gone = _wait(out_of_view, TTL + 5, "p0 out of the proxy's view")
+        assert t_gone - t_kill < TTL + 5
+        assert len(set(routed_while_aside)) <= 1, routed_while_aside
+        assert p0.url not in _registered(etcd)
+        load.progress(32)
+        # requests that picked p0 after the kill were retried on p1
+        metrics = httpx.get(proxy + "/metrics", timeout=10).text
+        assert 'kvbridge_proxy_failovers_total{stage="prefill"}' in metrics, metrics
+
+        # 2. a third decode joins: routed to within 2 s of being ready
+        d2 = _serve("d2", fleet["log_dir"], "decode", etcd)
+        procs["d2"] = d2
+        d2.wait_ready(time.monotonic() + START_TIMEOUT)
+        t_ready = time.monotonic()
+        t_routed = _wait(lambda: (_routed(proxy, d2.url) or 0) > 0, 2, "d2 routed to")
+        print(f"d2 ready -> first routed: {t_routed - t_ready:.3f}s")
+
+        def prewarmed() -> bool:  # the new pair was handshaken ahead, by the proxy
+            pairs = httpx.get(proxy + "/v1/kv/prewarm", timeout=10).json()["pairs"]
+            return {"prefill": p1.url, "decode": d2.url, "outcome": "ok"} in pairs
+
+        _wait(prewarmed, 20, "p1/d2 prewarmed")
+        load.progress(16)
+
+        # 3. etcd frozen for 10 s: the proxy routes on its last view
+        etcd.pause()
+        try:
+            frozen_until = time.monotonic() + 10
+            n0 = load.ok
+            _wait(lambda: time.monotonic() >= frozen_until or load.errors, 11, "10 s")
+            assert not load.errors, load.errors[:5]
+            assert load.ok > n0  # served meanwhile
+        finally:
+            etcd.resume()
+        load.progress(16)
+        # everyone alive is registered again, and still in the proxy's view
+        alive = {p1.url, d0.url, d1.url, d2.url}
+        _wait(lambda: _registered(etcd) == alive, 3 * TTL, "registrations back")
+        view = _fleet(proxy)
+        assert {b["url"] for b in view["prefill"] + view["decode"]} == alive
+
+        # 4. SIGKILL a decode under non-streamed load: a decode that dies before its first
+        # token (a non-streamed answer comes whole) is failed over too. A stream already
+        # past its first token cannot be hidden, so streams end first.
+        load.streaming = False
+        before = list(load.done)
+        _wait(
+            lambda: all(a > b for a, b in zip(load.done, before, strict=True)),
+            60,
+            "every client past its last stream",
+        )
+        d0.proc.send_signal(signal.SIGKILL)
+        d0.proc.wait()
+        load.progress(24)
+        _wait(
+            lambda: d0.url not in {b["url"] for b in _fleet(proxy)["decode"]},
+            TTL + 3,
+            "d0 out of the proxy's view",
+        )
+        load.progress(8)
+    assert not load.errors, load.errors[:5]
+    assert load.ok > 80

@@ -1,0 +1,222 @@
+"""The ``etcd`` handshake method against a real etcd: same envelope and checks as http/zmq,
+metadata under a lease, a watch that brings a restarted prefill's new epoch; and for real,
+a decode that keeps loading KV across a prefill restart without a failed READ."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from kvbridge.config import SideChannelConfig
+from kvbridge.errors import CompatibilityError, ConfigError, HandshakeTimeout
+from kvbridge.handshake import make_client, make_server
+from kvbridge.handshake.etcd import HANDSHAKE_PREFIX, EtcdHandshakeClient, EtcdHandshakeServer
+from kvbridge.launch import KVBridgeProcess, free_port, read_metric
+from kvbridge.registry import EtcdRegistry, parse_registry_url
+from tests.conftest import ROOT
+from tests.helpers import compat, full_store, rank_meta
+
+HOST = "127.0.0.1"
+
+
+def _wait(cond: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.02)
+
+
+def _config(etcd, **kw) -> SideChannelConfig:
+    return SideChannelConfig.load(
+        {
+            "handshake_method": "etcd",
+            "registry": etcd.url,
+            "side_channel_port": 0,
+            "handshake_timeout": 2,
+            **kw,
+        },
+        environ={},
+    )
+
+
+def test_etcd_method_needs_a_registry():
+    with pytest.raises(ConfigError, match="registry"):
+        SideChannelConfig.load({"handshake_method": "etcd"}, environ={})
+    with pytest.raises(ConfigError, match="registry"):
+        make_client(SideChannelConfig(), compat(), "etcd")
+    with pytest.raises(ConfigError):
+        SideChannelConfig.load({"registry": "http://x"}, environ={})
+
+
+def test_publish_fetch_and_checks(etcd):
+    cfg = _config(etcd)
+    server = make_server(cfg, full_store(2))
+    assert isinstance(server, EtcdHandshakeServer) and server.port > 0
+    server.start()
+    client = make_client(cfg, compat())
+    assert isinstance(client, EtcdHandshakeClient)
+    try:
+        assert server.published.wait(5)
+        assert client.fetch(HOST, server.port, 1) == [rank_meta(1, 2)]
+        assert client.fetch(HOST, server.port) == [rank_meta(0, 2), rank_meta(1, 2)]
+        # the same compat check as http/zmq, before the body
+        with pytest.raises(CompatibilityError):
+            make_client(cfg, compat(dtype="float32")).fetch(HOST, server.port, 0)
+        # another port: nothing published there; retried until the deadline
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeTimeout, match="nothing published"):
+            client.fetch(HOST, server.port + 1, 0)
+        assert 1.5 < time.monotonic() - t0 < 5
+    finally:
+        server.stop()
+    # stopped: revoked, so the keys are gone at once (not at the TTL)
+    reg = EtcdRegistry(parse_registry_url(etcd.url))
+    assert reg.get_prefix(HANDSHAKE_PREFIX)[0] == {}
+    client.close()
+
+
+def test_crashed_prefill_expires_and_new_epoch_arrives_by_watch(etcd):
+    cfg = _config(etcd)
+    port = free_port()
+    old = EtcdHandshakeServer(
+        full_store(1, epoch="epoch-a"), cfg.registry_endpoint, HOST, port, ttl=1
+    )
+    old.start()
+    client = make_client(cfg, compat())
+    try:
+        assert old.published.wait(5)
+        assert client.fetch(HOST, port, 0)[0].epoch == "epoch-a"
+        # a crash: the keep-alive stops, nobody revokes; the lease ends within its TTL
+        old._stop.set()
+        old._thread.join(5)
+        _wait(lambda: client._cache == {}, 4, "expired, seen by watch")
+        # the restarted prefill (same address, new epoch) publishes ...
+        new = EtcdHandshakeServer(full_store(1, epoch="epoch-b"), cfg.registry_endpoint, HOST, port)
+        new.start()
+        try:
+            assert new.published.wait(5)
+            key = f"{HANDSHAKE_PREFIX}{HOST}:{port}/0"
+            _wait(lambda: key in client._cache, 2, "new epoch delivered by the watch")
+            reads = client.reads
+            assert client.fetch(HOST, port, 0)[0].epoch == "epoch-b"
+            assert client.reads == reads  # answered from the watch: no etcd read
+        finally:
+            new.stop()
+    finally:
+        client.close()
+
+
+# --- for real: kvbridge serve --handshake etcd, a prefill restarted -----------------------
+
+PROMPT = "A restarted prefill publishes a new epoch; the decode follows it through etcd."
+
+
+def _serve(name: str, log_dir, *args: str) -> tuple[KVBridgeProcess, str]:
+    port = free_port()
+    proc = KVBridgeProcess(
+        name,
+        log_dir,
+        "serve",
+        "--port",
+        str(port),
+        "--dtype",
+        "float64",
+        "--handshake-timeout",
+        "20",  # a loaded machine must not turn a slow handshake into a failed load
+        *args,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        log_level="info",
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _complete(url: str, **extra) -> dict:
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=60,
+        json={
+            "model": "kvbridge-tiny",
+            "prompt": PROMPT,
+            "max_tokens": 8,
+            "temperature": 0,
+            **extra,
+        },
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.slow
+def test_restarted_prefill_switches_without_a_failed_read(etcd, tmp_path):
+    side_port = str(free_port())
+    prefill_args = (
+        "--role",
+        "prefill",
+        "--handshake",
+        "etcd",
+        "--registry",
+        etcd.url,
+        "--engine-id",
+        "etcd-prefill",
+        "--side-channel-port",
+        side_port,
+    )
+    p, p_url = _serve("p", tmp_path, *prefill_args)
+    d, d_url = _serve("d", tmp_path, "--role", "decode", "--registry", etcd.url)
+    try:
+        deadline = time.monotonic() + 180
+        p.wait_healthy(p_url + "/health", deadline)
+        d.wait_healthy(d_url + "/health", deadline)
+        reference = _complete(d_url)["choices"][0]["text"]
+
+        def through_pd() -> tuple[str, dict]:
+            params = _complete(p_url, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            kv = params["kv_transfer_params"]
+            assert kv["handshake_method"] == "etcd"
+            return _complete(d_url, kv_transfer_params=kv)["choices"][0]["text"], kv
+
+        with httpx.Client() as c:
+
+            def metric(name: str) -> float:
+                return read_metric(c, d_url, name)
+
+            text, kv = through_pd()
+            assert text == reference
+            assert metric('kvbridge_kv_loads_total{outcome="ok"}') == 1, d.tail()
+            p.stop()  # SIGTERM; then a new process, same engine id and address
+            p, p_url2 = _serve("p2", tmp_path, *prefill_args)
+            p.wait_healthy(p_url2 + "/health", time.monotonic() + 180)
+            p_url = p_url2
+            text, kv2 = through_pd()
+            assert kv2["remote_epoch"] != kv["remote_epoch"]
+            assert text == reference
+            assert metric('kvbridge_kv_loads_total{outcome="ok"}') == 2, d.tail()
+            assert metric('kvbridge_kv_loads_total{outcome="failed"}') == 0
+            assert metric("kvbridge_requests_recomputed_total") == 0
+    finally:
+        p.stop()
+        d.stop()
+
+
+def test_metadata_withdrawn_while_the_instance_cannot_serve(etcd):
+    """What http and zmq answer 503 for is not left in etcd either."""
+    cfg = _config(etcd)
+    store = full_store(1)
+    state: dict[str, str | None] = {"why": None}
+    store.health = lambda: state["why"]
+    server = make_server(cfg, store)
+    server.start()
+    reg = EtcdRegistry(parse_registry_url(etcd.url))
+    try:
+        assert server.published.wait(5)
+        assert len(reg.get_prefix(HANDSHAKE_PREFIX)[0]) == 2  # rank 0 and "all"
+        state["why"] = "a node of the instance is gone"
+        _wait(lambda: reg.get_prefix(HANDSHAKE_PREFIX)[0] == {}, 3, "withdrawn")
+        state["why"] = None
+        _wait(lambda: len(reg.get_prefix(HANDSHAKE_PREFIX)[0]) == 2, 3, "published again")
+    finally:
+        server.stop()
