@@ -761,3 +761,20 @@ def test_prewarm_refused_for_want_of_the_token_is_counted_and_logged(
         metrics = client.get("/metrics").text
     assert 'kvbridge_proxy_prewarm_failures_total{reason="unauthorized"} 1.0' in metrics
     assert any("--kv-token-file" in r.message for r in caplog.records)
+
+
+def test_prefill_timeout_fails_over_to_another_prefill(serve: Serve) -> None:
+    slow, fast = _engines(serve, "prefill", 2)
+    (decode,) = _engines(serve, "decode", 1)
+    slow.hold = threading.Event()
+    try:
+        with _proxy(serve, [slow, fast], [decode], timeout=60.0, prefill_timeout=0.5) as client:
+            for _ in range(2):
+                r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+                assert r.status_code == 200, r.text
+    finally:
+        slow.hold.set()
+    assert len(slow.calls) >= 1 and len(fast.calls) == 2
+    assert all(
+        c["body"]["kv_transfer_params"]["remote_engine_id"] == "engine-p1" for c in decode.calls
+    )
