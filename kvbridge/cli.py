@@ -291,6 +291,11 @@ def _serve(args: argparse.Namespace) -> int:
               f"master={mn.master_addr}:{mn.master_port}", f"node_host={mn.host}",
               f"node_timeout={mn.node_timeout:g}s"])
     if mn is not None and mn.node_rank > 0:
+        if args.registry is not None:
+            # The head registers the whole instance; a second record would route
+            # requests to a node that has no API.
+            raise ConfigError("--registry goes on the head (--node-rank 0), which registers "
+                              "the whole instance; a headless node does not register")
         from kvbridge.server.node import serve_node
 
         _print_settings("serve", ["headless", f"tp={args.tp}", *nodes, *side.describe()])

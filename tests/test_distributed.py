@@ -71,6 +71,9 @@ def test_node_layout_is_checked_before_anything_starts() -> None:
     assert r.returncode == 2 and "not a multiple of --nnodes" in r.stderr
     r = serve("--tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1")
     assert r.returncode == 2 and "--headless" in r.stderr
+    r = serve("--tp", "2", "--nnodes", "2", "--node-rank", "1", "--headless",
+              "--master-addr", "127.0.0.1", "--registry", "etcd://127.0.0.1:2379")
+    assert r.returncode == 2 and "--registry goes on the head" in r.stderr
     r = serve("--tp", "2", "--nnodes", "2", "--master-addr", "198.18.0.1")
     assert r.returncode == 2 and "--advertise-host" in r.stderr  # 127.0.0.1 by default
     r = serve("--tp", "2", "--nnodes", "2")
