@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import ssl
@@ -171,6 +172,14 @@ def _check_urls(role: str, urls: Sequence[str], allow_none: bool = False) -> lis
             raise ConfigError(f"bad {role} URL {url!r}: expected http(s)://host:port")
         out.append(url.rstrip("/"))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Retry:
+    """A hop's error that another instance may not have: the request is tried once more
+    elsewhere, and this error is the client's if there is no elsewhere."""
+
+    error: Response
 
 
 class _UpstreamResponse(StreamingResponse):
@@ -432,17 +441,19 @@ class _Proxy:
                 # release is on its way): the retry goes under an id of its own.
                 headers = {**headers, "x-request-id": f"{request_id}-retry"}
             p, d = pair
-            error, kv_params, decode_body = await self._prefill_hop(p, body, endpoint,
-                                                                    headers, request_id)
-            if error is not None:
-                if kv_params is None:
-                    return error  # the engine refused the request: not the engine's fault
+            hop = await self._prefill_hop(p, body, endpoint, headers, request_id)
+            if isinstance(hop, Response):
+                return hop  # the engine refused the request: not the engine's fault
+            if isinstance(hop, _Retry):
+                error = hop.error
                 failed_p.add(p.url)
                 continue
-            error, response = await self._decode_hop(p, d, kv_params, decode_body, endpoint,
-                                                     headers, request_id, last=attempt == 1)
-            if response is not None:
-                return response
+            kv_params, decode_body = hop
+            answer = await self._decode_hop(p, d, kv_params, decode_body, endpoint, headers,
+                                            request_id, last=attempt == 1)
+            if not isinstance(answer, _Retry):
+                return answer
+            error = answer.error
             failed_d.add(d.url)
         return error or _error(503, "no compatible prefill and decode instances are "
                                     "available", "service_unavailable")
@@ -450,9 +461,9 @@ class _Proxy:
     async def _prefill_hop(
         self, p: Backend, body: dict[str, Any], endpoint: str, headers: dict[str, str],
         request_id: str
-    ) -> tuple[Response | None, Any, dict[str, Any]]:
-        """(error, kv_params, decode body). An error with kv_params ``True`` may be
-        retried elsewhere; with None it is final."""
+    ) -> Response | _Retry | tuple[Any, dict[str, Any]]:
+        """(kv_params, decode body), or the error for the client: final as a Response,
+        worth one more try elsewhere as a ``_Retry``."""
         prefill = p.url
         release = self.router.acquire(p)
         preq = self.client.build_request(
@@ -470,15 +481,16 @@ class _Proxy:
             if self.prefill_timeout is not None and isinstance(
                     exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
                 # Not answered within --prefill-timeout: another prefill may answer in time.
-                return _error(504, f"prefill {prefill} did not answer within "
-                                   f"{self.prefill_timeout:g}s (--prefill-timeout)",
-                              "timeout"), True, body
+                return _Retry(_error(504, f"prefill {prefill} did not answer within "
+                                          f"{self.prefill_timeout:g}s (--prefill-timeout)",
+                                     "timeout"))
             # A read timeout is a prefill still at work: retrying it elsewhere doubles the wait.
             retry = not isinstance(exc, httpx.TimeoutException) or isinstance(
                 exc, httpx.ConnectTimeout)
             if retry:
                 self.router.failed(p)
-            return _transport_error("prefill", prefill, exc), (True if retry else None), body
+            error = _transport_error("prefill", prefill, exc)
+            return _Retry(error) if retry else error
         finally:
             release()
         if not presp.is_success:
@@ -494,19 +506,20 @@ class _Proxy:
             status = presp.status_code if presp.status_code >= 400 else 502
             if status >= 500:
                 self.router.failed(p)
-            return _error(
+            error = _error(
                 status,
                 f"prefill {prefill} returned {presp.status_code}: {message}",
                 etype or "upstream_error",
                 param,
-            ), (True if status >= 500 else None), body
+            )
+            return _Retry(error) if status >= 500 else error
         try:
             pdata = presp.json()
         except ValueError:
             pdata = None
         if not isinstance(pdata, dict):
-            return _error(502, f"prefill {prefill} returned a body that is not a JSON "
-                               "object"), True, body
+            return _Retry(_error(502, f"prefill {prefill} returned a body that is not a "
+                                      "JSON object"))
         self.router.succeeded(p)
 
         decode_body = dict(body)
@@ -521,14 +534,14 @@ class _Proxy:
             decode_body.pop("kv_transfer_params", None)
         else:
             decode_body["kv_transfer_params"] = kv_params
-        return None, kv_params, decode_body
+        return kv_params, decode_body
 
     async def _decode_hop(
         self, p: Backend, d: Backend, kv_params: Any, decode_body: dict[str, Any],
         endpoint: str, headers: dict[str, str], request_id: str, last: bool
-    ) -> tuple[Response | None, Response | None]:
-        """(error, response): a response for the client, or the error of a decode that
-        failed before its first token (the prefill's hold released), to be retried."""
+    ) -> Response | _Retry:
+        """The response for the client, or (unless ``last``) the error of a decode that
+        failed before its first token, the prefill's hold released, as a ``_Retry``."""
         decode, prefill = d.url, p.url
         release = self.router.acquire(d)
         dreq = self.client.build_request(
@@ -546,7 +559,7 @@ class _Proxy:
             if kv_params is not None and (dead or never_reached(exc)):
                 self._release_later(prefill, kv_params, request_id)
             response = _transport_error("decode", decode, exc)
-            return (response, None) if dead and not last else (None, response)
+            return _Retry(response) if dead and not last else response
         if dresp.status_code >= 400:
             if kv_params is not None:
                 # The decode answered with an error before its first token: its load (if
@@ -556,8 +569,8 @@ class _Proxy:
                 self.router.failed(d)
                 await dresp.aclose()
                 release()
-                return _error(502, f"decode {decode} returned {dresp.status_code}"), None
-            return None, _UpstreamResponse(dresp, decode, request_id, on_close=release)
+                return _Retry(_error(502, f"decode {decode} returned {dresp.status_code}"))
+            return _UpstreamResponse(dresp, decode, request_id, on_close=release)
         chunks = dresp.aiter_bytes()
         try:
             first = await chunks.__anext__()
@@ -573,10 +586,9 @@ class _Proxy:
             if kv_params is not None:
                 self._release_later(prefill, kv_params, request_id)
             response = _transport_error("decode", decode, exc)
-            return (response, None) if not last else (None, response)
+            return response if last else _Retry(response)
         self.router.succeeded(d)
-        return None, _UpstreamResponse(dresp, decode, request_id, first, chunks,
-                                       on_close=release)
+        return _UpstreamResponse(dresp, decode, request_id, first, chunks, on_close=release)
 
     def _release_later(self, prefill: str, kv_params: Any, request_id: str) -> None:
         task = asyncio.create_task(self._release(prefill, kv_params, request_id))
