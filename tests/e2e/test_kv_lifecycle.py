@@ -79,11 +79,15 @@ def test_a_long_block_list_is_a_400_and_the_hold_can_be_released(cluster, token_
         "model": "kvbridge-tiny", "prompt": PROMPTS[2], "max_tokens": 4,
         "kv_transfer_params": longer})
     assert r.status_code == 400 and "needs at most 1" in r.json()["error"]["message"], r.text
-    # nobody will read it: the route frees it now (token required), not at lease end
-    assert _release(p, params, "wrong").status_code == 401
-    assert _release(p, {**params, "remote_engine_id": "other"},
-                    token_file.read_text()).status_code == 409
-    assert _release(p, params, token_file.read_text()).json() == {"released": True}
+    # Nobody will read it: the route frees a hold now (token required), not at lease end.
+    # Shown on a hold no decode has seen: a decode that already knows this prefill's agent
+    # gives a refused request's blocks back itself (a NIXL notification), racing the route.
+    token = token_file.read_text()
+    unseen = _prefill_params(p, PROMPTS[2])
+    assert _release(p, unseen, "wrong").status_code == 401
+    assert _release(p, {**unseen, "remote_engine_id": "other"}, token).status_code == 409
+    assert _release(p, unseen, token).json() == {"released": True}
+    _release(p, params, token)  # the refused one: freed here, or by the decode already
     _wait(lambda: p.metric("kvbridge_blocks_free") == free, 5, "the released blocks")
     assert p.metric('kvbridge_held_requests_released_total{why="abandoned"}') >= 1
 
