@@ -108,12 +108,10 @@ def test_lease_lost_registers_again(etcd):
         lease = registrar.lease
         reg.revoke(lease)  # from outside: the record goes with it
         assert instance_key(_record()) not in reg.get_prefix(INSTANCES_PREFIX)[0]
-        _wait(
-            lambda: instance_key(_record()) in reg.get_prefix(INSTANCES_PREFIX)[0],
-            3,
-            "registered again",
-        )
-        assert registrar.registrations == 2 and registrar.lease.id != lease.id
+        # the count moves after the write, so wait on it (not on the key) before reading it
+        _wait(lambda: registrar.registrations == 2, 3, "registered again")
+        assert instance_key(_record()) in reg.get_prefix(INSTANCES_PREFIX)[0]
+        assert registrar.lease.id != lease.id
     finally:
         registrar.deregister()
 
@@ -313,7 +311,8 @@ def test_unhealthy_instance_is_withdrawn_until_it_recovers(etcd):
         _wait(lambda: key not in reg.get_prefix(INSTANCES_PREFIX)[0], 3, "withdrawn")
         assert time.monotonic() - t0 < 3  # revoked, well before the TTL would end it
         state["why"] = None
-        _wait(lambda: key in reg.get_prefix(INSTANCES_PREFIX)[0], 3, "registered again")
-        assert registrar.registrations == 2
+        # the count moves after the write, so wait on it (not on the key) before reading it
+        _wait(lambda: registrar.registrations == 2, 3, "registered again")
+        assert key in reg.get_prefix(INSTANCES_PREFIX)[0]
     finally:
         registrar.deregister()
