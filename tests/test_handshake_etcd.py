@@ -17,17 +17,16 @@ from kvbridge.handshake import make_client, make_server
 from kvbridge.handshake.etcd import HANDSHAKE_PREFIX, EtcdHandshakeClient, EtcdHandshakeServer
 from kvbridge.launch import KVBridgeProcess, free_port, read_metric
 from kvbridge.registry import EtcdRegistry, parse_registry_url
+from kvbridge.registry.etcd import RegistryError
 from tests.conftest import ROOT
-from tests.helpers import compat, full_store, rank_meta
+from tests.helpers import compat, full_store, rank_meta, wait_until
 
 HOST = "127.0.0.1"
 
 
 def _wait(cond: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.02)
+    # an etcd read that times out on a busy machine is "not yet", not a failure
+    wait_until(cond, timeout, what, tolerate=(RegistryError,))
 
 
 def _config(etcd, **kw) -> SideChannelConfig:
@@ -70,7 +69,7 @@ def test_publish_fetch_and_checks(etcd):
         t0 = time.monotonic()
         with pytest.raises(HandshakeTimeout, match="nothing published"):
             client.fetch(HOST, server.port + 1, 0)
-        assert 1.5 < time.monotonic() - t0 < 5
+        assert 1.5 < time.monotonic() - t0 < 10  # bounded (2 s deadline), on a busy machine too
     finally:
         server.stop()
     # stopped: revoked, so the keys are gone at once (not at the TTL)
@@ -93,14 +92,15 @@ def test_crashed_prefill_expires_and_new_epoch_arrives_by_watch(etcd):
         # a crash: the keep-alive stops, nobody revokes; the lease ends within its TTL
         old._stop.set()
         old._thread.join(5)
-        _wait(lambda: client._cache == {}, 4, "expired, seen by watch")
+        # (etcd makes any TTL under 2 s a 2 s one, and checks expiry every 0.5 s)
+        _wait(lambda: client._cache == {}, 2 + 15, "expired, seen by watch")
         # the restarted prefill (same address, new epoch) publishes ...
         new = EtcdHandshakeServer(full_store(1, epoch="epoch-b"), cfg.registry_endpoint, HOST, port)
         new.start()
         try:
             assert new.published.wait(5)
             key = f"{HANDSHAKE_PREFIX}{HOST}:{port}/0"
-            _wait(lambda: key in client._cache, 2, "new epoch delivered by the watch")
+            _wait(lambda: key in client._cache, 10, "new epoch delivered by the watch")
             reads = client.reads
             assert client.fetch(HOST, port, 0)[0].epoch == "epoch-b"
             assert client.reads == reads  # answered from the watch: no etcd read
@@ -215,8 +215,8 @@ def test_metadata_withdrawn_while_the_instance_cannot_serve(etcd):
         assert server.published.wait(5)
         assert len(reg.get_prefix(HANDSHAKE_PREFIX)[0]) == 2  # rank 0 and "all"
         state["why"] = "a node of the instance is gone"
-        _wait(lambda: reg.get_prefix(HANDSHAKE_PREFIX)[0] == {}, 3, "withdrawn")
+        _wait(lambda: reg.get_prefix(HANDSHAKE_PREFIX)[0] == {}, 10, "withdrawn")
         state["why"] = None
-        _wait(lambda: len(reg.get_prefix(HANDSHAKE_PREFIX)[0]) == 2, 3, "published again")
+        _wait(lambda: len(reg.get_prefix(HANDSHAKE_PREFIX)[0]) == 2, 10, "published again")
     finally:
         server.stop()

@@ -25,15 +25,12 @@ from kvbridge.registry import (
 )
 from kvbridge.registry.etcd import RegistryError
 from tests.conftest import ROOT
+from tests.helpers import wait_until
 
 
 def _wait(cond: Callable[[], object], timeout: float, what: str) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        if value := cond():
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.05)
+    # an etcd read that times out on a busy machine is "not yet", not a failure
+    return wait_until(cond, timeout, what, tolerate=(RegistryError,), every=0.05)
 
 
 def _record(**kw) -> InstanceRecord:
@@ -89,14 +86,21 @@ def test_register_keepalive_update_deregister(etcd):
     load["n"] = 7
     _wait(
         lambda: InstanceRecord.decode(reg.get_prefix(INSTANCES_PREFIX)[0][key]).load == 7,
-        3,
+        10,
         "load rewritten",
     )
     assert registrar.registrations == 1
-    t0 = time.monotonic()
     assert registrar.deregister()
     assert key not in reg.get_prefix(INSTANCES_PREFIX)[0]
-    assert time.monotonic() - t0 < 1.5  # revoked, not left to the TTL
+
+
+def test_deregister_revokes_at_once(etcd):
+    reg = EtcdRegistry(parse_registry_url(etcd.url))
+    registrar = Registrar(reg, _record, ttl=60).start()
+    assert registrar.wait_registered(5)
+    assert registrar.deregister()
+    # read right after: gone, so revoked (the 60 s lease would still hold it)
+    assert instance_key(_record()) not in reg.get_prefix(INSTANCES_PREFIX)[0]
 
 
 def test_lease_lost_registers_again(etcd):
@@ -107,9 +111,8 @@ def test_lease_lost_registers_again(etcd):
         assert registrar.wait_registered(5)
         lease = registrar.lease
         reg.revoke(lease)  # from outside: the record goes with it
-        assert instance_key(_record()) not in reg.get_prefix(INSTANCES_PREFIX)[0]
         # the count moves after the write, so wait on it (not on the key) before reading it
-        _wait(lambda: registrar.registrations == 2, 3, "registered again")
+        _wait(lambda: registrar.registrations == 2, 10, "registered again")
         assert instance_key(_record()) in reg.get_prefix(INSTANCES_PREFIX)[0]
         assert registrar.lease.id != lease.id
     finally:
@@ -129,9 +132,10 @@ def test_etcd_down_then_back(etcd):
             reg.get_prefix(INSTANCES_PREFIX)
         assert registrar._thread.is_alive()
         etcd.start()
+        reader = EtcdRegistry(parse_registry_url(etcd.url))  # not the registrar's 0.5 s client
         _wait(
-            lambda: instance_key(_record()) in reg.get_prefix(INSTANCES_PREFIX)[0],
-            8,
+            lambda: instance_key(_record()) in reader.get_prefix(INSTANCES_PREFIX)[0],
+            20,
             "registered after etcd returned",
         )
     finally:
@@ -156,7 +160,7 @@ def test_watch_sees_puts_and_deletes(etcd):
     reg.put(INSTANCES_PREFIX + "decode/x", b"{}", lease)
     reg.put("/elsewhere/y", b"{}")
     reg.revoke(lease)
-    _wait(lambda: len(seen) >= 2, 5, "two events")
+    _wait(lambda: len(seen) >= 2, 10, "two events")
     assert seen[:2] == [
         ("put", INSTANCES_PREFIX + "decode/x"),
         ("delete", INSTANCES_PREFIX + "decode/x"),
@@ -219,7 +223,8 @@ def test_serve_registers_and_crash_expires(etcd, tmp_path):
         t_kill = time.monotonic()
         proc.proc.send_signal(signal.SIGKILL)
         proc.proc.wait()
-        _wait(lambda: not _registered(reg), 2 + 2, "gone after the TTL")
+        # etcd checks expiry every 0.5 s and may be slow on a busy machine: a generous bound
+        _wait(lambda: not _registered(reg), 2 + 15, "gone after the TTL")
         assert time.monotonic() - t_kill > 0.5  # gone by expiry (nobody revoked it)
     finally:
         proc.stop()
@@ -302,17 +307,16 @@ def test_cli_refuses_bad_fleet_flags(capsys):
 def test_unhealthy_instance_is_withdrawn_until_it_recovers(etcd):
     reg = EtcdRegistry(parse_registry_url(etcd.url))
     state: dict[str, str | None] = {"why": None}
-    registrar = Registrar(reg, _record, ttl=3, health=lambda: state["why"]).start()
+    # a 60 s lease: gone within the wait below means revoked, not expired
+    registrar = Registrar(reg, _record, ttl=60, health=lambda: state["why"]).start()
     key = instance_key(_record())
     try:
         assert registrar.wait_registered(5)
         state["why"] = "engine is not running"
-        t0 = time.monotonic()
-        _wait(lambda: key not in reg.get_prefix(INSTANCES_PREFIX)[0], 3, "withdrawn")
-        assert time.monotonic() - t0 < 3  # revoked, well before the TTL would end it
+        _wait(lambda: key not in reg.get_prefix(INSTANCES_PREFIX)[0], 20, "withdrawn")
         state["why"] = None
         # the count moves after the write, so wait on it (not on the key) before reading it
-        _wait(lambda: registrar.registrations == 2, 3, "registered again")
+        _wait(lambda: registrar.registrations == 2, 20, "registered again")
         assert key in reg.get_prefix(INSTANCES_PREFIX)[0]
     finally:
         registrar.deregister()

@@ -18,9 +18,12 @@ import pytest
 
 from kvbridge.launch import KVBridgeProcess, free_port
 from kvbridge.registry import INSTANCES_PREFIX, EtcdRegistry, InstanceRecord, parse_registry_url
+from kvbridge.registry.etcd import RegistryError
 from kvbridge.registry.server import EtcdProcess
+from kvbridge.server.routing import DEFAULT_COOLDOWN
 from tests.conftest import ROOT
 from tests.e2e.conftest import PROMPTS, START_TIMEOUT, Serve, complete
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -30,11 +33,9 @@ FLEET_PROMPTS = [*PROMPTS, "Fleets grow: more prefills, more decodes, one proxy 
 
 
 def _wait(cond: Callable[[], object], timeout: float, what: str) -> float:
-    """Poll ``cond`` until true; returns when it became so (monotonic)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.02)
+    """Poll ``cond`` until true; returns when it became so (monotonic). An etcd read that
+    times out on a busy machine is "not yet", not a failure."""
+    wait_until(cond, timeout, what, tolerate=(RegistryError,))
     return time.monotonic()
 
 
@@ -185,35 +186,39 @@ def test_fleet_failover_join_and_registry_outage(fleet):
             assert (_routed(proxy, e.url) or 0) > 0, (e.name, _fleet(proxy))
 
         # 1. SIGKILL a prefill under load: nobody notices
-        t_kill = time.monotonic()
         p0.proc.send_signal(signal.SIGKILL)
         p0.proc.wait()
         # Polled from the kill on: once the proxy has put p0 aside (a failed attempt sends
         # it to cool down) nothing more is routed to it, and it leaves the view when its
         # lease expires.
-        routed_while_aside: list[int] = []
+        # (A cool-down that ends before the lease does lets one more request try p0 and
+        # fail over: only the first cool-down is compared.)
+        routed_while_aside: list[tuple[float, int]] = []
 
         def out_of_view() -> bool:
             entry = [b for b in _fleet(proxy)["prefill"] if b["url"] == p0.url]
             if entry and entry[0]["cooling_down"]:
-                routed_while_aside.append(entry[0]["routed"])
+                routed_while_aside.append((time.monotonic(), entry[0]["routed"]))
             return not entry
 
-        t_gone = _wait(out_of_view, TTL + 5, "p0 out of the proxy's view")
-        assert t_gone - t_kill < TTL + 5
-        assert len(set(routed_while_aside)) <= 1, routed_while_aside
+        # etcd checks expiry every 0.5 s and may be slow on a busy machine: a generous bound
+        _wait(out_of_view, TTL + 15, "p0 out of the proxy's view")
+        if routed_while_aside:
+            t_aside = routed_while_aside[0][0]
+            first = {r for t, r in routed_while_aside if t - t_aside < DEFAULT_COOLDOWN - 1}
+            assert len(first) == 1, routed_while_aside
         assert p0.url not in _registered(etcd)
         load.progress(32)
         # requests that picked p0 after the kill were retried on p1
         metrics = httpx.get(proxy + "/metrics", timeout=10).text
         assert 'kvbridge_proxy_failovers_total{stage="prefill"}' in metrics, metrics
 
-        # 2. a third decode joins: routed to within 2 s of being ready
+        # 2. a third decode joins: routed to soon after it is ready (`kvbridge bench fleet` measures it)
         d2 = _serve("d2", fleet["log_dir"], "decode", etcd)
         procs["d2"] = d2
         d2.wait_ready(time.monotonic() + START_TIMEOUT)
         t_ready = time.monotonic()
-        t_routed = _wait(lambda: (_routed(proxy, d2.url) or 0) > 0, 2, "d2 routed to")
+        t_routed = _wait(lambda: (_routed(proxy, d2.url) or 0) > 0, 10, "d2 routed to")
         print(f"d2 ready -> first routed: {t_routed - t_ready:.3f}s")
 
         def prewarmed() -> bool:  # the new pair was handshaken ahead, by the proxy
@@ -236,9 +241,13 @@ def test_fleet_failover_join_and_registry_outage(fleet):
         load.progress(16)
         # everyone alive is registered again, and still in the proxy's view
         alive = {p1.url, d0.url, d1.url, d2.url}
-        _wait(lambda: _registered(etcd) == alive, 3 * TTL, "registrations back")
-        view = _fleet(proxy)
-        assert {b["url"] for b in view["prefill"] + view["decode"]} == alive
+        _wait(lambda: _registered(etcd) == alive, 3 * TTL + 10, "registrations back")
+
+        def view() -> set[str]:
+            fleet_view = _fleet(proxy)
+            return {b["url"] for b in fleet_view["prefill"] + fleet_view["decode"]}
+
+        _wait(lambda: view() == alive, 10, "everyone alive back in the proxy's view")
 
         # 4. SIGKILL a decode under non-streamed load: a decode that dies before its first
         # token (a non-streamed answer comes whole) is failed over too. A stream already
@@ -255,7 +264,7 @@ def test_fleet_failover_join_and_registry_outage(fleet):
         load.progress(24)
         _wait(
             lambda: d0.url not in {b["url"] for b in _fleet(proxy)["decode"]},
-            TTL + 3,
+            TTL + 15,
             "d0 out of the proxy's view",
         )
         load.progress(8)

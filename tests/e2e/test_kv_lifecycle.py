@@ -50,6 +50,7 @@ def test_a_short_block_list_loads_what_is_there_and_computes_the_rest(
         cluster, reference, token_file, shape):
     p, d = cluster["p1-zmq"], cluster["d1"]
     prompt = PROMPTS[0]
+    held = p.metric("kvbridge_held_requests")
     params = _prefill_params(p, prompt)
     blocks = params["remote_block_ids"]
     assert len(blocks) >= 3
@@ -66,7 +67,10 @@ def test_a_short_block_list_loads_what_is_there_and_computes_the_rest(
         "model": "kvbridge-tiny", "prompt": prompt, "max_tokens": 4,
         "kv_transfer_params": {**params, "remote_block_ids": kept}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
-    assert _release(p, params, token_file.read_text()).json() == {"released": False}  # read
+    # the READ's notification reaches the prefill on its own time: wait for it, then the
+    # release route has nothing left to release
+    _wait(lambda: p.metric("kvbridge_held_requests") <= held, 10, "the READ's release")
+    assert _release(p, params, token_file.read_text()).json() == {"released": False}
 
 
 def test_a_long_block_list_is_a_400_and_the_hold_can_be_released(cluster, token_file):
@@ -259,7 +263,9 @@ def test_a_decode_that_refuses_a_request_gives_the_prefill_its_blocks_back(clust
     # a first request: the decode handshakes with this prefill (and reads)
     assert complete(d.url, prompt, verify=d.verify,
                     kv_transfer_params=_prefill_params(p, prompt)) == reference[prompt]
-    _wait(lambda: p.metric("kvbridge_held_requests") == 0, 10, "the first READ's release")
+    # the hold goes in one engine step, its blocks in the next part of it: wait for both
+    _wait(lambda: p.metric("kvbridge_held_requests") == 0
+          and p.metric("kvbridge_blocks_used") == 0, 10, "the first READ's release")
     start = p.metric("kvbridge_blocks_free")
     abandoned = p.metric('kvbridge_held_requests_released_total{why="abandoned"}')
     for bad in ({"max_tokens": -1}, {"max_tokens": 100_000}, {"model": "not-this-one"}):
