@@ -4,7 +4,7 @@
 The server process (``kvbridge.bench.peer sidechannel``) serves a TP 2 metadata store
 (real NIXL agents) with a token. This process runs the herd: N clients in flight, each
 with its own keep-alive connection, each asking for one rank again and again for a fixed
-time. The clients are bare asyncio protocols on uvloop (no HTTP library, no task per request)
+time (longer if needed, so that a window holds at least one reply per client). The clients are bare asyncio protocols on uvloop (no HTTP library, no task per request)
 so that the single client process, which shares the 2 cores with the server, is as
 little of a bottleneck as it can be.
 
@@ -159,6 +159,11 @@ async def _level(port: int, ctx: ssl.SSLContext | None, n: int, duration: float,
     t0 = time.perf_counter()
     level.measuring = True
     await asyncio.sleep(duration)
+    # A window holds at least one reply per client: on a starved machine a short window
+    # could otherwise measure nothing at all (bounded by the request timeout).
+    end = time.perf_counter() + timeout
+    while len(level.latencies) < n and time.perf_counter() < end and not level.errors:
+        await asyncio.sleep(0.05)
     level.measuring = False
     wall = time.perf_counter() - t0
     after = server.stats()
