@@ -5,7 +5,6 @@ metric, stop politely then firmly)."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,12 +13,9 @@ from pathlib import Path
 
 import httpx
 
+from kvbridge.net import free_port
 
-def free_port() -> int:
-    """A loopback port free right now (the OS may hand it out again later: bind soon)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["KVBridgeProcess", "free_port", "read_metric"]
 
 
 class KVBridgeProcess:

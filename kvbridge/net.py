@@ -1,8 +1,10 @@
-"""Binding listening ports: a port in use is a configuration error that names its setting."""
+"""Binding listening ports: a port in use is a configuration error that names its setting;
+picking a free port for a child process to bind later."""
 
 from __future__ import annotations
 
 import errno
+import random
 import socket
 
 from kvbridge.errors import ConfigError
@@ -52,3 +54,33 @@ def check_port_free(host: str, port: int, setting: str) -> None:
     """
     if port != 0:
         bind_socket(host, port, setting).close()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now, for a server that binds it a little later.
+
+    Chosen below the kernel's ephemeral range when there is room: a port from that range
+    (what binding port 0 gives) can be taken as the source port of any outgoing
+    connection before the server binds it; one below it only by another listener.
+    """
+    low, _ = _ephemeral_range()
+    candidates = random.sample(range(20000, low), k=min(64, max(0, low - 20000)))
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))  # no SO_REUSEADDR: a port in TIME_WAIT is skipped too
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from kvbridge.net import free_port
 from tests.conftest import ROOT
 
 
@@ -140,3 +141,14 @@ def test_connection_budgets_are_checked_at_start_up(command, args, env, message)
     out = _kvbridge(command, *args, env=env)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "configuration error" in out.stderr and message in out.stderr
+
+
+def test_free_port_is_bindable_and_outside_the_ephemeral_range():
+    """A port picked for a child to bind later is one no outgoing connection can take."""
+    low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    ports = {free_port() for _ in range(20)}
+    for port in ports:
+        if low > 20000:
+            assert not low <= port <= high, (port, low, high)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free indeed

@@ -51,6 +51,7 @@ from kvbridge.engine import distributed
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.model_runner import ModelRunner, WorkerConnectorFactory
 from kvbridge.errors import NodeError, WorkerDiedError, WorkerError
+from kvbridge.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class WorkerGroup:
         ctx = mp.get_context("forkserver")
         # The fork server imports torch once; each worker is then a cheap fork of it.
         ctx.set_forkserver_preload(["kvbridge.engine.model_runner"])
-        rendezvous: int | MultiNodeConfig = _free_port() if mn is None else mn
+        rendezvous: int | MultiNodeConfig = free_port() if mn is None else mn
         local_ranks = range(config.tp_size) if mn is None else mn.local_ranks(config.tp_size)
         for rank in local_ranks:
             parent_end, child_end = ctx.Pipe()
@@ -213,12 +214,6 @@ def _resolve(runner: ModelRunner, method: str) -> Any:
             raise AttributeError(f"{method!r}: private attributes are not callable remotely")
         target = getattr(target, part)
     return target
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _watch_head(head_pid: int) -> None:
