@@ -123,3 +123,71 @@ def test_kvbridge_accepts_the_command_lines(name):
         assert env["KVBRIDGE_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == (
             "status.podIP"
         )
+
+
+# --- deploy/k8s/multinode/: one instance across pods, as a LeaderWorkerSet ---------------
+# The LeaderWorkerSet kind is a CRD with no schema in kubernetes-validate: its two pod
+# templates are validated as core PodTemplates, its own fields and command lines here.
+
+(LWS_PATH,) = sorted((K8S / "multinode").glob("*.yaml"))
+(LWS,) = [d for d in yaml.safe_load_all(LWS_PATH.read_text()) if d]
+TEMPLATES = ("leaderTemplate", "workerTemplate")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("which", TEMPLATES)
+def test_multinode_pod_templates_are_valid(which, version):
+    template = LWS["spec"]["leaderWorkerTemplate"][which]
+    doc = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": which.lower()},
+           "template": template}
+    kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_multinode_template_validation_can_fail():
+    template = yaml.safe_load(yaml.safe_dump(LWS["spec"]["leaderWorkerTemplate"]["workerTemplate"]))
+    template["spec"]["containers"][0]["env"][0]["valueFrom"]["fieldRef"]["fieldPth"] = "x"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate",
+                                      "metadata": {"name": "w"}, "template": template},
+                                     VERSIONS[-1], strict=True)
+
+
+def test_multinode_instance_is_one_group(monkeypatch):
+    """The leader is node 0 (the head, registered); every worker is a headless node whose
+    rank is its LWS worker index; both agree on the group and kvbridge accepts both."""
+    from types import SimpleNamespace
+
+    from kvbridge.cli import _multinode
+
+    assert (LWS["apiVersion"], LWS["kind"]) == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
+    lwt = LWS["spec"]["leaderWorkerTemplate"]
+    # a lost pod takes the whole instance down and up again (new epoch), as kvbridge expects
+    assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader = lwt["leaderTemplate"]["spec"]["containers"][0]
+    worker = lwt["workerTemplate"]["spec"]["containers"][0]
+    worker_env = {e["name"]: e for e in worker["env"]}
+    assert worker_env["KVBRIDGE_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']")
+    for c in (leader, worker):
+        env = {e["name"]: e for e in c["env"]}
+        assert env["KVBRIDGE_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+            "status.podIP")
+    head = _parser().parse_args(leader["args"])
+    nodes = []
+    for rank in range(1, lwt["size"]):
+        monkeypatch.setenv("KVBRIDGE_NODE_RANK", str(rank))  # what the downward API gives
+        nodes.append(_parser().parse_args(worker["args"]))
+    assert head.nnodes == lwt["size"] and not head.headless and head.node_rank == 0
+    assert head.registry == "etcd://kvbridge-etcd:2379"  # the head registers the instance
+    assert head.master_addr == "$(LWS_LEADER_ADDRESS)"
+    for rank, node in enumerate(nodes, start=1):
+        assert node.headless and node.node_rank == rank and node.registry is None
+        assert (node.role, node.tp, node.nnodes, node.master_addr, node.master_port) == (
+            head.role, head.tp, head.nnodes, head.master_addr, head.master_port)
+    for args in (head, *nodes):  # kvbridge's own multi-node checks (ranks per node, ...)
+        mn = _multinode(args, SimpleNamespace(advertised="10.0.0.9"))
+        assert mn is not None and mn.nnodes == lwt["size"]
+    ports = {p["name"]: p["containerPort"] for p in leader["ports"]}
+    assert ports["rendezvous"] == head.master_port
+    assert leader["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "nixl",
+                                                   "scheme": "HTTPS"}
