@@ -129,38 +129,51 @@ def test_kvbridge_accepts_the_command_lines(name):
 # The LeaderWorkerSet kind is a CRD with no schema in kubernetes-validate: its two pod
 # templates are validated as core PodTemplates, its own fields and command lines here.
 
-(LWS_PATH,) = sorted((K8S / "multinode").glob("*.yaml"))
-(LWS,) = [d for d in yaml.safe_load_all(LWS_PATH.read_text()) if d]
+LWS = {
+    path.stem: doc
+    for path in sorted((K8S / "multinode").glob("*.yaml"))
+    for doc in yaml.safe_load_all(path.read_text())
+    if doc
+}
 TEMPLATES = ("leaderTemplate", "workerTemplate")
+
+
+def _pod_template(template: dict) -> dict:
+    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+            "template": template}
+
+
+def test_multinode_manifests_are_there():
+    assert set(LWS) == {"prefill", "decode"}
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("which", TEMPLATES)
-def test_multinode_pod_templates_are_valid(which, version):
-    template = LWS["spec"]["leaderWorkerTemplate"][which]
-    doc = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": which.lower()},
-           "template": template}
-    kubernetes_validate.validate(doc, version, strict=True)
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_multinode_pod_templates_are_valid(role, which, version):
+    template = LWS[role]["spec"]["leaderWorkerTemplate"][which]
+    kubernetes_validate.validate(_pod_template(template), version, strict=True)
 
 
 def test_multinode_template_validation_can_fail():
-    template = yaml.safe_load(yaml.safe_dump(LWS["spec"]["leaderWorkerTemplate"]["workerTemplate"]))
+    lwt = LWS["prefill"]["spec"]["leaderWorkerTemplate"]
+    template = yaml.safe_load(yaml.safe_dump(lwt["workerTemplate"]))
     template["spec"]["containers"][0]["env"][0]["valueFrom"]["fieldRef"]["fieldPth"] = "x"
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate",
-                                      "metadata": {"name": "w"}, "template": template},
-                                     VERSIONS[-1], strict=True)
+        kubernetes_validate.validate(_pod_template(template), VERSIONS[-1], strict=True)
 
 
-def test_multinode_instance_is_one_group(monkeypatch):
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_multinode_instance_is_one_group(role, monkeypatch):
     """The leader is node 0 (the head, registered); every worker is a headless node whose
     rank is its LWS worker index; both agree on the group and kvbridge accepts both."""
     from types import SimpleNamespace
 
     from kvbridge.cli import _multinode
 
-    assert (LWS["apiVersion"], LWS["kind"]) == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
-    lwt = LWS["spec"]["leaderWorkerTemplate"]
+    lws = LWS[role]
+    assert (lws["apiVersion"], lws["kind"]) == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
+    lwt = lws["spec"]["leaderWorkerTemplate"]
     # a lost pod takes the whole instance down and up again (new epoch), as kvbridge expects
     assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
     leader = lwt["leaderTemplate"]["spec"]["containers"][0]
@@ -177,7 +190,8 @@ def test_multinode_instance_is_one_group(monkeypatch):
     for rank in range(1, lwt["size"]):
         monkeypatch.setenv("KVBRIDGE_NODE_RANK", str(rank))  # what the downward API gives
         nodes.append(_parser().parse_args(worker["args"]))
-    assert head.nnodes == lwt["size"] and not head.headless and head.node_rank == 0
+    assert head.role == role and head.nnodes == lwt["size"] and head.node_rank == 0
+    assert not head.headless
     assert head.registry == "etcd://kvbridge-etcd:2379"  # the head registers the instance
     assert head.master_addr == "$(LWS_LEADER_ADDRESS)"
     for rank, node in enumerate(nodes, start=1):
@@ -189,5 +203,16 @@ def test_multinode_instance_is_one_group(monkeypatch):
         assert mn is not None and mn.nnodes == lwt["size"]
     ports = {p["name"]: p["containerPort"] for p in leader["ports"]}
     assert ports["rendezvous"] == head.master_port
-    assert leader["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "nixl",
-                                                   "scheme": "HTTPS"}
+    probe = leader["readinessProbe"]["httpGet"]
+    if role == "prefill":  # the side channel: ready once every rank's metadata is in
+        assert probe == {"path": "/readyz", "port": "nixl", "scheme": "HTTPS"}
+    else:
+        assert probe == {"path": "/health", "port": "api", "scheme": "HTTPS"}
+        # a decode's ranks handshake with prefills themselves: trust and token on every node
+        for node in nodes:
+            assert node.token_file == head.token_file is not None
+            assert node.side_channel_ssl_ca_certs == head.ssl_ca_certs
+    for template in (lwt["leaderTemplate"], lwt["workerTemplate"]):  # mounts resolve
+        spec = template["spec"]
+        mounts = {m["name"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
+        assert mounts <= {v["name"] for v in spec.get("volumes", [])}
