@@ -56,13 +56,13 @@ def check_port_free(host: str, port: int, setting: str) -> None:
         bind_socket(host, port, setting).close()
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral (outgoing source port) range."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -72,7 +72,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     (what binding port 0 gives) can be taken as the source port of any outgoing
     connection before the server binds it; one below it only by another listener.
     """
-    low, _ = _ephemeral_range()
+    low = _ephemeral_low()
     candidates = random.sample(range(20000, low), k=min(64, max(0, low - 20000)))
     for port in candidates:
         with socket.socket() as s:

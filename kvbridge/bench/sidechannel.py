@@ -4,9 +4,10 @@
 The server process (``kvbridge.bench.peer sidechannel``) serves a TP 2 metadata store
 (real NIXL agents) with a token. This process runs the herd: N clients in flight, each
 with its own keep-alive connection, each asking for one rank again and again for a fixed
-time (longer if needed, so that a window holds at least one reply per client). The clients are bare asyncio protocols on uvloop (no HTTP library, no task per request)
-so that the single client process, which shares the 2 cores with the server, is as
-little of a bottleneck as it can be.
+time (longer if needed, so that a window holds at least one reply per client). The clients
+are bare asyncio protocols on uvloop (no HTTP library, no task per request) so that the
+single client process, which shares the 2 cores with the server, is as little of a
+bottleneck as it can be.
 
 Reported per level: handshakes/s (wall clock), the server's CPU seconds during the window
 and handshakes per server CPU second (what one core can do), p50/p99 latency, errors, and
