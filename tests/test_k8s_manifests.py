@@ -4,11 +4,13 @@ line in them is accepted by kvbridge's own parser. Validated, not run on a clust
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import kubernetes_validate
 import pytest
 import yaml
 
-from kvbridge.cli import _parser
+from kvbridge.cli import _multinode, _parser
 from tests.conftest import ROOT
 
 K8S = ROOT / "deploy" / "k8s"
@@ -167,10 +169,6 @@ def test_multinode_template_validation_can_fail():
 def test_multinode_instance_is_one_group(role, monkeypatch):
     """The leader is node 0 (the head, registered); every worker is a headless node whose
     rank is its LWS worker index; both agree on the group and kvbridge accepts both."""
-    from types import SimpleNamespace
-
-    from kvbridge.cli import _multinode
-
     lws = LWS[role]
     assert (lws["apiVersion"], lws["kind"]) == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
     lwt = lws["spec"]["leaderWorkerTemplate"]

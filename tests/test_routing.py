@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import uvicorn
@@ -16,13 +15,7 @@ from kvbridge.launch import free_port
 from kvbridge.registry import EtcdRegistry, InstanceRecord, instance_key, parse_registry_url
 from kvbridge.server.membership import Membership
 from kvbridge.server.routing import Backend, Router
-
-
-def _wait(cond: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.02)
+from tests.helpers import wait_until as _wait
 
 
 def test_pairs_only_compatible_instances():
