@@ -8,6 +8,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvbridge.background import BackgroundCollector
 from kvbridge.guard import GuardCollector
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -53,6 +54,8 @@ class Metrics:
                                    "Prefill requests holding blocks for a decode", registry=r)
         # Connection budgets of this process's servers (side channel, engine API).
         r.register(GuardCollector())
+        # Supervised background threads of this process, and outside inputs ignored.
+        r.register(BackgroundCollector())
 
     def observe_side_channel(self, route: str, status: int, nbytes: int) -> None:
         """``handshake.base.Observer``: called from the side channel's thread."""

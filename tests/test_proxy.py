@@ -247,6 +247,22 @@ def test_chat_request_id_and_authorization_forwarded(
     assert r.headers["x-request-id"] == "client-rid-42"
 
 
+@pytest.mark.parametrize("given", ["r" * 300, "caf\u00e9".encode(), b"two words", b"a/b"])
+def test_a_client_request_id_that_is_not_plain_is_replaced(
+    pd: tuple[httpx.Client, FakeEngine, FakeEngine], given: str | bytes
+) -> None:
+    """Too long, non-ASCII or with characters outside [A-Za-z0-9._:@+=-]: the engines get
+    an id of the proxy's own (the client's would be refused or break a header later)."""
+    client, prefill, decode = pd
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 2},
+                    headers={"x-request-id": given})
+    assert r.status_code == 200, r.text
+    (pcall,), (dcall,) = prefill.calls, decode.calls
+    rid = pcall["headers"]["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", rid)
+    assert dcall["headers"]["x-request-id"] == rid == r.headers["x-request-id"]
+
+
 def test_streaming_passthrough_in_order(pd: tuple[httpx.Client, FakeEngine, FakeEngine]) -> None:
     client, prefill, decode = pd
     decode.gate = threading.Event()

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import signal
 import socket
 import ssl
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -36,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvbridge import background
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.sequence import RequestOutput
@@ -52,8 +53,11 @@ from kvbridge.errors import (
 from kvbridge.guard import GuardedServer, guarded_config
 from kvbridge.limits import check_json_body, read_json_body
 from kvbridge.params import KVTransferParams
+from kvbridge.requestid import accept_request_id
 
 __all__ = ["BackgroundServer", "build_app", "check_request_body", "run_server"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -144,6 +148,9 @@ class _API:
         if not self.engine.is_running:
             return error_response(503, f"engine is not running: {self.engine.dead_reason}",
                                   type_="server_error", code="engine_not_running")
+        if stopped := background.down():  # a supervised thread failed; restarting it
+            return JSONResponse({"status": "degraded", "background_down": stopped},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
@@ -151,27 +158,17 @@ class _API:
             "id": self.model_name, "object": "model", "created": self.created,
             "owned_by": "kvbridge", "max_model_len": self.engine.max_model_len}]})
 
+    # A request refused with a 4xx does not release the prefill's hold its params name:
+    # nothing proves the params are the caller's (any client could name another request's
+    # hold). The proxy that got them from the prefill releases them (/v1/kv/release, with
+    # the side-channel token); otherwise the hold's lease ends it.
     async def completions(self, request: Request) -> Response:
         req = _parse(await read_json_body(request), chat=False)
-        with self._refusing(req):
-            return await self._completions(request, req)
+        return await self._completions(request, req)
 
     async def chat_completions(self, request: Request) -> Response:
         req = _parse(await read_json_body(request), chat=True)
-        with self._refusing(req):
-            return await self._chat_completions(request, req)
-
-    @contextlib.contextmanager
-    def _refusing(self, req: _Common) -> Iterator[None]:
-        """A request refused with a 4xx after a prefill computed its KV: say so, so the
-        prefill frees its blocks now rather than at the end of their lease."""
-        try:
-            yield
-        except RequestError as e:
-            params = req.kv_transfer_params
-            if e.status < 500 and params is not None and params.loads_remote_kv:
-                self.engine.refused(params)
-            raise
+        return await self._chat_completions(request, req)
 
     async def _completions(self, request: Request, req: CompletionRequest) -> Response:
         self._check_model(req.model)
@@ -217,7 +214,10 @@ class _API:
             raise RequestError(400, str(e), e.param) from None
         except ValueError as e:
             raise RequestError(400, str(e), prompt_param) from None
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id, refused_id = accept_request_id(request.headers.get("x-request-id"))
+        if refused_id is not None:
+            log.info("request %s: the client's x-request-id %s is not used", request_id,
+                     refused_id)
         outputs = self.engine.generate(prompt_ids, sampling, request_id, req.kv_transfer_params)
         fmt = _Formatter(self.engine.tokenizer, self.model_name, request_id, chat, len(prompt_ids))
         headers = {"x-request-id": request_id}

@@ -37,13 +37,12 @@ from kvbridge.connector.scheduler import NixlSchedulerConnector
 from kvbridge.connector.worker import NixlWorkerConnectorFactory
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.engine import build_engine
-from kvbridge.errors import InvalidKVTransferParams, KVBridgeError, RequestError
+from kvbridge.errors import KVBridgeError, RequestError
 from kvbridge.handshake.base import token_ok
 from kvbridge.limits import read_json_body
 from kvbridge.metadata import compat_of, decode_rank
 from kvbridge.metrics import CONTENT_TYPE, Metrics
 from kvbridge.model.loader import load_config, resolve_dtype
-from kvbridge.params import KVTransferParams
 from kvbridge.server.api import build_app, error_response
 
 log = logging.getLogger(__name__)
@@ -204,19 +203,25 @@ class Instance:
         returned (only ``remote_engine_id`` and ``remote_request_id`` are used)."""
         if not self._authorized(request):
             return _error(401, "missing or invalid bearer token (the side-channel token)")
+        # Only the two ids are read, as strings: a release must not fail because another
+        # field of the params (or the request they came with) is one a decode refused.
         try:
-            params = KVTransferParams.from_obj(msgspec.json.decode(
-                await read_json_body(request)))
+            body = msgspec.json.decode(await read_json_body(request))
         except RequestError as e:
             return _error(e.status, e.message)
-        except (msgspec.DecodeError, InvalidKVTransferParams) as e:
+        except msgspec.DecodeError as e:
             return _error(400, f"expected the kv_transfer_params this prefill returned: {e}")
-        if params is None or params.remote_request_id is None:
+        if not isinstance(body, dict):
+            return _error(400, "expected the kv_transfer_params this prefill returned (a JSON "
+                               "object)")
+        engine_id, request_id = body.get("remote_engine_id"), body.get("remote_request_id")
+        if not isinstance(request_id, str) or not request_id:
             return _error(400, "kv_transfer_params.remote_request_id is required")
-        if params.remote_engine_id != self.engine_id:
-            return _error(409, f"remote_engine_id {params.remote_engine_id!r} is not this "
+        if engine_id != self.engine_id:
+            shown = engine_id[:64] if isinstance(engine_id, str) else engine_id
+            return _error(409, f"remote_engine_id {shown!r} is not this "
                                f"instance ({self.engine_id})")
-        released = self.connector.release(params.remote_request_id)
+        released = self.connector.release(request_id)
         if released:
             self.engine.wake()
         return JSONResponse({"released": released})

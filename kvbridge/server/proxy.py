@@ -15,7 +15,6 @@ import dataclasses
 import json
 import logging
 import ssl
-import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -37,10 +36,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from kvbridge import background
 from kvbridge.errors import ConfigError, RequestError, error_body
 from kvbridge.guard import GuardCollector, GuardedServer, guarded_config
 from kvbridge.limits import read_json_body
 from kvbridge.params import KVTransferParams
+from kvbridge.requestid import MAX_REQUEST_ID, accept_request_id
 from kvbridge.server.api import check_request_body
 from kvbridge.server.routing import Backend, Router
 from kvbridge.server.upstream import CLIENT_KEEP_ALIVE, never_reached, send_retrying_once
@@ -250,6 +251,7 @@ class _Proxy:
             "kvbridge_proxy_prewarm_failures",
             "Decode/prefill pairs whose prewarm failed, by reason", ["reason"], registry=r)
         r.register(GuardCollector())  # the proxy server's connection budget
+        r.register(background.BackgroundCollector())
         self.releases = Counter("kvbridge_proxy_kv_releases",
                                 "Prefill holds released after a failed decode hop, by outcome",
                                 ["outcome"], registry=r)
@@ -424,7 +426,11 @@ class _Proxy:
                                chat=endpoint == _CHAT)
         except RequestError as e:
             return _error(e.status, e.message, e.type, e.param)
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id, refused_id = accept_request_id(request.headers.get("x-request-id"))
+        if refused_id is not None:
+            log.info("request %s: the client's x-request-id %s is not used (at most %d "
+                     "characters of [A-Za-z0-9._:@+=-])", request_id, refused_id,
+                     MAX_REQUEST_ID)
         headers = self._engine_headers(request, request_id)
         # Failover: a prefill that fails before the decode hop, or a decode that fails
         # before its first token, is retried once on another instance.
@@ -629,6 +635,9 @@ class _Proxy:
         )
 
     async def health(self, request: Request) -> Response:
+        if stopped := background.down():
+            return JSONResponse({"status": "degraded", "background_down": stopped},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def _probe(self, url: str) -> dict[str, Any]:

@@ -261,6 +261,41 @@ def test_deep_bodies_are_400(hostile):
             assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+# ~1 KB: a dozen of the prefill's 256 blocks per request
+LONG = "A long prompt fills many blocks of the prefill's KV cache, on purpose. " * 14
+PINNING_FLOOD = 20
+
+
+def pinning_flood(proxy_url: str, n: int = PINNING_FLOOD) -> list[int]:
+    """``n`` requests through the proxy, each with a 300-character ``x-request-id``
+    (an id the decode's params would refuse): their statuses."""
+    statuses = []
+    with httpx.Client(timeout=60) as c:
+        for i in range(n):
+            r = c.post(proxy_url + "/v1/completions", headers={"x-request-id": f"{i:04d}" * 75},
+                       json={"model": "kvbridge-tiny", "prompt": LONG, "max_tokens": 2,
+                             "temperature": 0})
+            statuses.append(r.status_code)
+    return statuses
+
+
+def test_a_pinning_flood_holds_nothing(hostile):
+    """20 requests with a 300-character request id: served, and the prefill's blocks come
+    back at once (by the decodes' READs), not at the end of the 30 s lease."""
+    prefill, proxy = hostile["p-plain"], hostile["proxy"]
+    wait_until(lambda: prefill.metric("kvbridge_held_requests") == 0, 40, "no hold")
+    free = prefill.metric("kvbridge_blocks_free")
+    assert pinning_flood(proxy.url) == [200] * PINNING_FLOOD
+    wait_until(lambda: prefill.metric("kvbridge_blocks_free") == free, 10,
+               "the prefill's blocks back (the lease is 30 s)")
+    # a non-ASCII request id is not a 500 (it cannot go into the engines' headers)
+    r = httpx.post(proxy.url + "/v1/completions", headers={"x-request-id": "r\u00e9q".encode()},
+                   json={"model": "kvbridge-tiny", "prompt": "short", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"].isascii()
+
+
 @pytest.mark.slow
 def test_frozen_prefill_under_clients_loses_no_request(hostile):
     """8 clients through the proxy; the prefill is stopped for 10 s, then resumed: every
