@@ -12,4 +12,5 @@ BENCHMARKS: dict[str, str] = {
     "serve": "kvbridge.bench.serve",
     "fleet": "kvbridge.bench.fleet",
     "hostile": "kvbridge.bench.hostile",
+    "vllm": "kvbridge.bench.vllm",
 }

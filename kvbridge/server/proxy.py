@@ -353,7 +353,9 @@ class _Proxy:
         while True:
             try:
                 r = await self.client.get(p_url + "/v1/kv/info")
-                if r.status_code == 200:
+                if r.status_code == 404:  # a vLLM engine: no prewarm route, so warm up
+                    r = await self._warm_up(p_url, d_url)
+                elif r.status_code == 200:
                     info = r.json()
                     body = {"host": info["side_channel_host"],
                             "port": info["side_channel_port"],
@@ -363,7 +365,7 @@ class _Proxy:
                 outcome = "ok" if r.status_code == 200 else f"{r.status_code}: {r.text[:200]}"
                 if r.status_code < 500:
                     break  # done, or refused for good (no such route, wrong token)
-            except (httpx.HTTPError, ValueError, KeyError) as e:
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
                 outcome = f"{type(e).__name__}: {e}"
             if asyncio.get_running_loop().time() + delay > deadline:
                 break
@@ -379,6 +381,23 @@ class _Proxy:
         elif outcome != "ok":
             self.prewarm_failures.labels("other").inc()
             log.warning("prewarm of %s with %s: %s", d_url, p_url, outcome)
+
+    async def _warm_up(self, p_url: str, d_url: str) -> httpx.Response:
+        """A one-token P/D request through the pair: how an engine without kvbridge's
+        prewarm route (vLLM, with or without the plug-in) handshakes before any client
+        request does. The prefill's blocks are read and freed as for any request."""
+        r = await self.client.get(p_url + "/v1/models")
+        if r.status_code != 200:
+            return r
+        body = {"model": r.json()["data"][0]["id"], "prompt": "Hello", "max_tokens": 1,
+                "temperature": 0}
+        r = await self.client.post(p_url + _COMPLETIONS, content=_dumps(
+            _prefill_body(body, _COMPLETIONS)), headers={"content-type": "application/json"})
+        if r.status_code != 200:
+            return r
+        body["kv_transfer_params"] = r.json().get("kv_transfer_params")
+        return await self.client.post(d_url + _COMPLETIONS, content=_dumps(body),
+                                      headers={"content-type": "application/json"})
 
     async def prewarm_status(self, request: Request) -> Response:
         return JSONResponse({"done": self.prewarm_done.is_set(), "pairs": [

@@ -1,0 +1,359 @@
+"""``kvbridge bench vllm``: vLLM's own NixlConnector against the kvbridge plug-in, in the
+same vLLM build, on the same checkpoint (SmolLM2-135M-Instruct by default).
+
+Setups, each a vLLM prefill (pinned to core 0) and a vLLM decode (core 1), both
+``kv_both``, started one setup after the other (two cores hold one pair at a time):
+
+* ``native``: vLLM's ``NixlConnector`` (its zmq handshake, fixed 5 s timeout);
+* ``zmq``: ``KVBridgeConnector`` with ``handshake_method=zmq`` (vLLM's wire, bounded);
+* ``http``: the plug-in's dedicated http side channel, with a token;
+* ``https``: the same over TLS (trustme certificates), with a token.
+
+Per setup:
+
+* **first request**: the first P/D request after start-up pays the decode's handshake;
+  ``first_request_extra_ms`` = its TTFT minus the warm TTFT p50 below;
+* **handshake latency**, measured from this process against the prefill's side channel
+  (rank 0's metadata, what a decode worker fetches): *cold* = a new connection per fetch
+  (TCP, and TLS for https), *warm* = one kept-alive connection;
+* **TTFT p50 at 1 in flight**: P/D driven with vLLM's protocol (prefill with
+  ``do_remote_decode`` and ``max_tokens: 1``, then the decode, streamed, with the
+  returned ``kv_transfer_params``): time from sending the prefill request to the decode's
+  first token;
+* **throughput at 8 in flight**: output tokens/s of the same P/D requests, 8 at a time.
+
+Goals (issue: the plug-in's warm handshake and TTFT no slower than native at p50; cold
+https within 1.5x of native zmq).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvbridge.bench.common import load_average, progress, pyplot, write_certs
+from kvbridge.bench.report import goal_lines, percentiles
+from kvbridge.launch import VLLMProcess, free_port
+
+SETUPS = ("native", "zmq", "http", "https")
+START_TIMEOUT = 600.0
+COLD_HTTPS_GOAL = 1.5  # cold https handshake <= 1.5x native zmq
+PROMPT = ("Explain in a few sentences why a decode instance reads the prompt's KV cache from "
+          "a prefill instance instead of computing it again. Request {i}.")
+GET_META_MSG = b"get_meta_msg"  # vLLM 0.32's zmq handshake request tag
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory (default: the prepared SmolLM2)")
+    p.add_argument("--setups", default=",".join(SETUPS),
+                   help=f"comma-separated, from {','.join(SETUPS)}")
+    p.add_argument("--requests", type=int, default=20, help="P/D requests at 1 in flight")
+    p.add_argument("--throughput-requests", type=int, default=32,
+                   help="P/D requests at 8 in flight")
+    p.add_argument("--fetches", type=int, default=200, help="handshake fetches per kind")
+    p.add_argument("--output-tokens", type=int, default=16)
+
+
+def _quick(args: argparse.Namespace) -> None:
+    args.requests, args.throughput_requests, args.fetches = 3, 8, 20
+    args.output_tokens = 4
+
+
+def _model(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from kvbridge.model.models import prepare
+
+    return str(prepare("smollm2-135m-instruct"))
+
+
+# --- one P/D request with vLLM's protocol -------------------------------------------
+
+
+async def _pd(client: httpx.AsyncClient, prefill: str, decode: str, model: str, i: int,
+              max_tokens: int) -> dict[str, Any]:
+    body = {"model": model, "prompt": PROMPT.format(i=i), "temperature": 0}
+    t0 = time.perf_counter()
+    r = await client.post(prefill + "/v1/completions", json={
+        **body, "max_tokens": 1, "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                               "remote_engine_id": None, "remote_block_ids": None,
+                               "remote_host": None, "remote_port": None}})
+    if r.status_code != 200:
+        raise RuntimeError(f"prefill {r.status_code}: {r.text[:200]}")
+    params = r.json().get("kv_transfer_params")
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", decode + "/v1/completions", json={
+            **body, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "kv_transfer_params": params}) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"decode {resp.status_code}: {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if json.loads(line[6:]).get("choices"):
+                last = time.perf_counter()
+                first = first if first is not None else last
+                tokens += 1
+    if first is None:
+        raise RuntimeError("decode streamed no token")
+    return {"ttft": first - t0, "latency": last - t0, "tokens": tokens}
+
+
+async def _closed_loop(prefill: str, decode: str, model: str, concurrency: int, n: int,
+                       max_tokens: int, seed: int) -> dict[str, Any]:
+    results: list[dict[str, Any]] = []
+    errors: list[str] = []
+    todo = iter(range(n))
+    async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
+        async def worker() -> None:
+            for i in todo:
+                try:
+                    results.append(await _pd(client, prefill, decode, model, seed + i,
+                                             max_tokens))
+                except Exception as e:
+                    errors.append(f"{type(e).__name__}: {e}"[:200])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    return {"concurrency": concurrency, "requests": len(results), "errors": len(errors),
+            "error_samples": errors[:3], "tokens_per_s": tokens / wall if wall else 0.0,
+            "ttft_ms": percentiles([r["ttft"] for r in results], (50, 99))}
+
+
+# --- the side channel, fetched from outside -----------------------------------------
+
+
+def _fetch_zmq(port: int, n: int, warm: bool) -> list[float]:
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context()
+    req = msgspec.msgpack.encode((GET_META_MSG, 0, 0))
+    samples: list[float] = []
+    sock = None
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            if sock is None:
+                sock = ctx.socket(zmq.REQ)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVTIMEO, 10_000)
+                sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send(req)
+            frames = sock.recv_multipart()
+            samples.append(time.perf_counter() - t0)
+            if not frames or not frames[0]:
+                raise RuntimeError("empty zmq handshake reply")
+            if not warm:
+                sock.close()
+                sock = None
+    finally:
+        if sock is not None:
+            sock.close()
+        ctx.term()
+    return samples
+
+
+def _fetch_http(url: str, n: int, warm: bool, verify: Any, token: str) -> list[float]:
+    headers = {"authorization": f"Bearer {token}"}
+    samples: list[float] = []
+    client = None
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            if client is None:
+                client = httpx.Client(verify=verify, trust_env=False, timeout=10)
+            r = client.get(url, headers=headers)
+            samples.append(time.perf_counter() - t0)
+            if r.status_code != 200:
+                raise RuntimeError(f"side channel {url}: {r.status_code} {r.text[:200]}")
+            if not warm:
+                client.close()
+                client = None
+    finally:
+        if client is not None:
+            client.close()
+    return samples
+
+
+# --- one setup ------------------------------------------------------------------------
+
+
+def _extra_config(setup: str, side_port: int, certs: Path, token_file: Path
+                  ) -> dict[str, Any] | None:
+    if setup == "native":
+        return None
+    cfg: dict[str, Any] = {"handshake_method": "zmq" if setup == "zmq" else "http",
+                           "side_channel_host": "127.0.0.1", "side_channel_port": side_port}
+    if setup in ("http", "https"):
+        cfg["token_file"] = str(token_file)
+    if setup == "https":
+        cfg.update(ssl_certfile=str(certs / "server.pem"), ssl_keyfile=str(certs / "server.key"),
+                   ssl_ca_certs=str(certs / "ca.pem"))
+    return cfg
+
+
+def _setup(setup: str, model: str, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+    certs = write_certs(tmp)
+    token_file = tmp / "token"
+    token = os.urandom(16).hex()
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    servers: dict[str, VLLMProcess] = {}
+    ports = {}
+    try:
+        for core, role in enumerate(("prefill", "decode")):
+            side = free_port()
+            ports[role] = side
+            servers[role] = VLLMProcess(
+                f"{setup}-{role}", tmp, model, port=free_port(), core=core,
+                connector="native" if setup == "native" else "kvbridge",
+                side_channel_port=side,
+                extra_config=_extra_config(setup, side, certs, token_file))
+        deadline = time.monotonic() + START_TIMEOUT
+        t0 = time.monotonic()
+        for p in servers.values():
+            p.wait_healthy(p.url + "/health", deadline)
+        progress(f"{setup}: prefill and decode healthy after {time.monotonic() - t0:.0f} s")
+        prefill, decode = servers["prefill"].url, servers["decode"].url
+        name = httpx.get(prefill + "/v1/models", trust_env=False).json()["data"][0]["id"]
+
+        first = asyncio.run(_closed_loop(prefill, decode, name, 1, 1, args.output_tokens, 0))
+        if first["requests"] != 1:
+            raise RuntimeError(f"{setup}: first P/D request failed: {first['error_samples']}")
+        one = asyncio.run(_closed_loop(prefill, decode, name, 1, args.requests,
+                                       args.output_tokens, 100))
+        eight = asyncio.run(_closed_loop(prefill, decode, name, 8, args.throughput_requests,
+                                         args.output_tokens, 1000))
+        side = ports["prefill"]
+        if setup in ("native", "zmq"):
+            cold = _fetch_zmq(side, args.fetches, warm=False)
+            warm = _fetch_zmq(side, args.fetches, warm=True)
+        else:
+            scheme = "https" if setup == "https" else "http"
+            url = f"{scheme}://127.0.0.1:{side}/v1/kv/handshake/0"
+            verify: Any = True
+            if setup == "https":
+                import ssl
+
+                verify = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+            cold = _fetch_http(url, args.fetches, False, verify, token)
+            warm = _fetch_http(url, args.fetches, True, verify, token)
+        return {
+            "first_ttft_ms": first["ttft_ms"]["p50"],
+            "first_request_extra_ms": first["ttft_ms"]["p50"] - one["ttft_ms"]["p50"],
+            "ttft_1_in_flight_ms": one["ttft_ms"],
+            "errors_1": one["errors"], "errors_8": eight["errors"],
+            "error_samples": one["error_samples"] + eight["error_samples"],
+            "tokens_per_s_8_in_flight": eight["tokens_per_s"],
+            "handshake_cold_ms": percentiles(cold, (50, 99)),
+            "handshake_warm_ms": percentiles(warm, (50, 99)),
+        }
+    finally:
+        for p in servers.values():
+            p.stop()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.quick:
+        _quick(args)
+    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    unknown = sorted(set(setups) - set(SETUPS))
+    if unknown:
+        raise SystemExit(f"kvbridge bench vllm: unknown setups {unknown}: use {SETUPS}")
+    model = _model(args)
+    import vllm
+
+    out: dict[str, Any] = {"model": model, "vllm_version": vllm.__version__,
+                           "load_average_start": load_average(), "setups": {}}
+    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as d:
+        for s in setups:
+            progress(f"{s}: starting a vLLM prefill and decode (minutes on a small machine)")
+            sub = Path(d) / s
+            sub.mkdir()
+            out["setups"][s] = _setup(s, model, sub, args)
+            progress(f"{s}: {json.dumps(out['setups'][s]['ttft_1_in_flight_ms'])}")
+    out["load_average_end"] = load_average()
+    out["goals"] = _goals(out["setups"])
+    return out
+
+
+def _goals(r: dict[str, Any]) -> list[dict[str, Any]]:
+    native = r.get("native")
+    if native is None:
+        return []
+    goals = []
+
+    def goal(text: str, ratio: float, limit: float) -> None:
+        goals.append({"goal": text, "value": f"{ratio:.2f}x", "ratio": ratio,
+                      "reached": ratio <= limit})
+
+    for s in ("zmq", "http", "https"):
+        if s in r:
+            goal(f"{s} warm handshake p50 <= native", r[s]["handshake_warm_ms"]["p50"]
+                 / native["handshake_warm_ms"]["p50"], 1.0)
+            goal(f"{s} P/D TTFT p50 <= native", r[s]["ttft_1_in_flight_ms"]["p50"]
+                 / native["ttft_1_in_flight_ms"]["p50"], 1.0)
+    if "https" in r:
+        goal("cold https handshake p50 <= 1.5x native zmq", r["https"]["handshake_cold_ms"]
+             ["p50"] / native["handshake_cold_ms"]["p50"], COLD_HTTPS_GOAL)
+    return goals
+
+
+def summary(r: dict[str, Any]) -> str:
+    lines = [f"vLLM {r['vllm_version']}, model {r['model']}",
+             f"{'setup':8} {'first extra':>12} {'TTFT p50':>9} {'tok/s@8':>8} "
+             f"{'hs cold p50':>12} {'hs warm p50':>12} {'errors':>6}"]
+    for s, v in r["setups"].items():
+        lines.append(f"{s:8} {v['first_request_extra_ms']:>10.1f}ms "
+                     f"{v['ttft_1_in_flight_ms']['p50']:>7.1f}ms "
+                     f"{v['tokens_per_s_8_in_flight']:>8.1f} "
+                     f"{v['handshake_cold_ms']['p50']:>10.2f}ms "
+                     f"{v['handshake_warm_ms']['p50']:>10.2f}ms "
+                     f"{v['errors_1'] + v['errors_8']:>6}")
+    lines += goal_lines(r)
+    return "\n".join(lines)
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    setups = list(r["setups"])
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = [("TTFT p50, 1 in flight (ms)", lambda v: v["ttft_1_in_flight_ms"]["p50"]),
+              ("handshake p50 (ms): cold / warm", None),
+              ("output tokens/s, 8 in flight", lambda v: v["tokens_per_s_8_in_flight"])]
+    for ax, (title, get) in zip(axes, panels, strict=True):
+        ax.set_title(title, fontsize=10)
+        if get is None:
+            xs = range(len(setups))
+            ax.bar([x - 0.2 for x in xs], [r["setups"][s]["handshake_cold_ms"]["p50"]
+                                           for s in setups], 0.4, label="cold")
+            ax.bar([x + 0.2 for x in xs], [r["setups"][s]["handshake_warm_ms"]["p50"]
+                                           for s in setups], 0.4, label="warm")
+            ax.set_xticks(list(xs), setups)
+            if "native" in r["setups"]:
+                ax.axhline(COLD_HTTPS_GOAL * r["setups"]["native"]["handshake_cold_ms"]["p50"],
+                           ls="--", c="r", label="goal: cold https <= 1.5x native")
+            ax.legend(fontsize=8)
+        else:
+            ax.bar(setups, [get(r["setups"][s]) for s in setups])
+            if "native" in r["setups"] and "TTFT" in title:
+                ax.axhline(get(r["setups"]["native"]), ls="--", c="r",
+                           label="goal: <= native")
+                ax.legend(fontsize=8)
+    fig.suptitle(f"vLLM {r['vllm_version']}: native NixlConnector vs kvbridge plug-in")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
