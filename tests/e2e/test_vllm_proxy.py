@@ -17,7 +17,8 @@ import pytest
 from kvbridge.launch import KVBridgeProcess, VLLMProcess, free_port, read_metric
 from kvbridge.model.models import prepare
 
-pytestmark = pytest.mark.slow
+# The first test also starts both vLLM servers (minutes on 2 cores): past the suite's 300 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 VLLM_START_TIMEOUT = 900.0  # two vLLM servers on 2 cores: minutes each
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
