@@ -235,10 +235,9 @@ def test_serve_graceful_stop_deregisters_at_once(etcd, tmp_path):
     proc, _ = _serve(tmp_path, etcd, "p-term", ttl=30)
     try:
         _wait(lambda: _registered(reg), 10, "registered")
-        t0 = time.monotonic()
         proc.proc.send_signal(signal.SIGTERM)
+        # Gone within 10 s of a 30 s TTL: the lease was revoked, not left to expire.
         _wait(lambda: not _registered(reg), 10, "deregistered")
-        assert time.monotonic() - t0 < 10 < 30  # well before the 30 s TTL
         assert proc.proc.wait(30) == 0
     finally:
         proc.stop()
