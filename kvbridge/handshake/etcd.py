@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 
+from kvbridge.background import Supervised
 from kvbridge.handshake.base import HandshakeClient, HandshakeServer, MetadataStore, Reply, _Retry
 from kvbridge.launch import free_port
 from kvbridge.metadata import DEFAULT_MAX_MESSAGE_BYTES, Compat
@@ -59,9 +60,7 @@ class EtcdHandshakeServer(HandshakeServer):
         self._lease = None
         self._stop = threading.Event()
         self._published = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="kvbridge-etcd-side-channel", daemon=True
-        )
+        self._thread = Supervised("kvbridge-etcd-side-channel", self._run, self._stop)
 
     @property
     def port(self) -> int:
@@ -158,19 +157,19 @@ class EtcdHandshakeClient(HandshakeClient):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._synced = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="kvbridge-etcd-watch", daemon=True)
-        self._thread.start()
+        self._thread = Supervised("kvbridge-etcd-watch", self._watch, self._stop).start()
 
     def _watch(self) -> None:
         delay = 0.1
         while not self._stop.is_set():
             try:
-                kvs, revision = self._registry.get_prefix(HANDSHAKE_PREFIX)
+                kvs, revision = self._registry.get_prefix(HANDSHAKE_PREFIX, self.max_message_bytes)
                 with self._lock:
                     self._cache = dict(kvs)
                 self._synced.set()
                 delay = 0.1
-                for ev in self._registry.watch_prefix(HANDSHAKE_PREFIX, revision + 1):
+                for ev in self._registry.watch_prefix(HANDSHAKE_PREFIX, revision + 1,
+                                                      self.max_message_bytes):
                     with self._lock:
                         if ev.kind == "put":
                             self._cache[ev.key] = ev.value
@@ -192,7 +191,7 @@ class EtcdHandshakeClient(HandshakeClient):
             body = self._cache.get(key)
         if body is None:  # not seen by the watch (yet): ask etcd itself
             try:
-                body = self._registry.get_prefix(key)[0].get(key)
+                body = self._registry.get_prefix(key, self.max_message_bytes)[0].get(key)
             except RegistryError as e:
                 raise _Retry(str(e)) from None
             if body is None:

@@ -8,6 +8,7 @@ restarted) or reports a compaction must be noticed, which etcd3gw's watcher does
 from __future__ import annotations
 
 import base64
+import codecs
 import json
 import logging
 import threading
@@ -21,6 +22,7 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import Etcd3Exception
 from etcd3gw.lease import Lease
 
+from kvbridge.background import Supervised, ignored
 from kvbridge.errors import ConfigError
 from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord, instance_key
 
@@ -85,6 +87,32 @@ def _prefix_end(prefix: str) -> str:
     return _b64(bytes(raw))
 
 
+def _checked(kv: object, max_value_bytes: int | None) -> tuple[str, bytes] | None:
+    """(key, value) of one key-value from the gateway, or None (counted) if the key is not
+    UTF-8 or the value is over ``max_value_bytes``: bytes are not trusted until checked."""
+    if not isinstance(kv, dict):
+        ignored("registry", "malformed")
+        return None
+    try:
+        raw_key = base64.b64decode(kv["key"], validate=True)
+        value = base64.b64decode(kv.get("value", ""), validate=True)
+    except (KeyError, TypeError, ValueError):
+        ignored("registry", "malformed")
+        return None
+    try:
+        key = raw_key.decode()
+    except UnicodeDecodeError:
+        ignored("registry", "key_not_utf8")
+        log.warning("registry: ignoring a key that is not UTF-8: %r", raw_key[:100])
+        return None
+    if max_value_bytes is not None and len(value) > max_value_bytes:
+        ignored("registry", "oversized")
+        log.warning("registry: ignoring %s: %d bytes, over the bound of %d", key[:200],
+                    len(value), max_value_bytes)
+        return None
+    return key, value
+
+
 @dataclass(frozen=True)
 class WatchEvent:
     kind: str  # "put" or "delete"
@@ -144,8 +172,13 @@ class EtcdRegistry:
     def delete(self, key: str) -> None:
         self._call(lambda: self._client.delete(key), True)
 
-    def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]:
-        """Every key under ``prefix`` and the store's revision they were read at."""
+    def get_prefix(self, prefix: str, max_value_bytes: int | None = None
+                   ) -> tuple[dict[str, bytes], int]:
+        """Every key under ``prefix`` and the store's revision they were read at.
+
+        Keys that are not UTF-8, and values over ``max_value_bytes``, are left out (and
+        counted: ``kvbridge.background.ignored``): etcd holds bytes anyone with write
+        access put there."""
 
         def call() -> dict:
             return self._client.post(
@@ -156,15 +189,19 @@ class EtcdRegistry:
         result = self._call(call, False)
         assert isinstance(result, dict)
         revision = int(result["header"]["revision"])
-        kvs = {
-            base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", ""))
-            for kv in result.get("kvs", [])
-        }
+        kvs = {}
+        for kv in result.get("kvs", []):
+            item = _checked(kv, max_value_bytes)
+            if item is not None:
+                kvs[item[0]] = item[1]
         return kvs, revision
 
-    def watch_prefix(self, prefix: str, start_revision: int) -> Iterator[WatchEvent]:
+    def watch_prefix(self, prefix: str, start_revision: int,
+                     max_value_bytes: int | None = None) -> Iterator[WatchEvent]:
         """Events under ``prefix`` from ``start_revision`` on, until the stream ends: then
-        ``RegistryError`` (``WatchCompacted`` if that revision is gone). ``close`` ends it."""
+        ``RegistryError`` (``WatchCompacted`` if that revision is gone). ``close`` ends it.
+        Events on keys that are not UTF-8, and puts of values over ``max_value_bytes``, are
+        left out and counted, as in ``get_prefix``."""
         self.reads += 1
         body = {
             "create_request": {
@@ -186,7 +223,7 @@ class EtcdRegistry:
         with self._watch_lock:
             self._watches.add(resp)
         try:
-            yield from self._read_stream(resp)
+            yield from self._read_stream(resp, max_value_bytes)
         except (requests.RequestException, OSError, AttributeError) as e:
             raise RegistryError(f"etcd {self.endpoint.url}: watch broke: {e!r}") from None
         finally:
@@ -197,13 +234,15 @@ class EtcdRegistry:
         raise RegistryError(f"etcd {self.endpoint.url}: watch stream ended")
 
     @staticmethod
-    def _read_stream(resp: requests.Response) -> Iterator[WatchEvent]:
+    def _read_stream(resp: requests.Response, max_value_bytes: int | None
+                     ) -> Iterator[WatchEvent]:
         if resp.status_code != 200:
             raise RegistryError(f"watch answered {resp.status_code}: {resp.text[:200]}")
         decoder = json.JSONDecoder()
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         buf = ""
         for chunk in resp.iter_content(chunk_size=None):
-            buf += chunk.decode()
+            buf += text.decode(chunk)
             while True:
                 buf = buf.lstrip()
                 if not buf:
@@ -221,13 +260,12 @@ class EtcdRegistry:
                 if result.get("canceled"):
                     raise RegistryError(f"watch canceled: {result.get('cancel_reason', '')}")
                 for ev in result.get("events", []):
-                    kv = ev["kv"]
-                    yield WatchEvent(
-                        "delete" if ev.get("type") == "DELETE" else "put",
-                        base64.b64decode(kv["key"]).decode(),
-                        base64.b64decode(kv.get("value", "")),
-                        int(kv.get("mod_revision", 0)),
-                    )
+                    kind = "delete" if ev.get("type") == "DELETE" else "put"
+                    kv = ev.get("kv")
+                    item = _checked(kv, max_value_bytes if kind == "put" else None)
+                    if item is not None:
+                        yield WatchEvent(kind, item[0], item[1],
+                                         int(kv.get("mod_revision", 0) or 0))
 
     def close(self) -> None:
         """Ends every watch in progress (their iterators raise ``RegistryError``)."""
@@ -275,7 +313,7 @@ class Registrar:
         self._written: InstanceRecord | None = None
         self._stop = threading.Event()
         self._registered = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvbridge-registrar", daemon=True)
+        self._thread = Supervised("kvbridge-registrar", self._run, self._stop)
 
     @property
     def key(self) -> str:

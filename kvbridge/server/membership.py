@@ -6,6 +6,13 @@ etcd goes away the view is kept as it was and the thread lists and watches again
 is back. A record that disappears is dropped at once if the instance does not answer its
 ``/health``; one that still answers (its lease ran out while etcd was paused, say) is kept
 for ``grace`` seconds, in which its registrar normally writes it again.
+
+Records are bytes from outside until checked: a key that is not UTF-8, a record over
+``MAX_RECORD_BYTES``, a malformed one, or one stored under another instance's key is
+ignored and counted (``kvbridge_ignored_inputs_total``). An instance's view comes from the
+first record naming its URL: a second record naming the same URL does not rewrite it, and
+when the first goes the view comes from the next. The thread is supervised
+(``kvbridge.background``): an unexpected error restarts it, with backoff.
 """
 
 from __future__ import annotations
@@ -17,13 +24,16 @@ import time
 import httpx
 import msgspec
 
+from kvbridge.background import Supervised, ignored
 from kvbridge.registry.etcd import EtcdRegistry, RegistryError, WatchCompacted
-from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord
+from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord, instance_key
 from kvbridge.server.routing import Backend, Router
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE = 15.0
+# A record is a few hundred bytes; anything much larger is not one of ours.
+MAX_RECORD_BYTES = 64 * 1024
 
 
 def backend_of(record: InstanceRecord) -> Backend:
@@ -66,7 +76,10 @@ class Membership:
         self.connected = threading.Event()  # listed and watching
         self.synced = threading.Event()  # listed at least once
         self.events = 0
-        self._keys: dict[str, str] = {}  # registry key -> API url
+        # registry key -> record, in the order first seen: the first record naming a URL
+        # is that instance's view until it goes; another record naming the same URL (a
+        # stray, or a restart under a new engine id) is ignored while that one stands
+        self._records: dict[str, InstanceRecord] = {}
         self._orphans: dict[str, float] = {}  # url -> when its record went
         self._lock = threading.Lock()  # the watch thread and the orphans' timers
         self._stop = threading.Event()
@@ -75,7 +88,7 @@ class Membership:
             timeout=probe_timeout,  # type: ignore[arg-type]
             trust_env=False,
         )
-        self._thread = threading.Thread(target=self._run, name="kvbridge-membership", daemon=True)
+        self._thread = Supervised("kvbridge-membership", self._run, self._stop)
 
     def start(self) -> Membership:
         self._thread.start()
@@ -88,15 +101,22 @@ class Membership:
         self._probe.close()
 
     def _run(self) -> None:
+        try:
+            self._follow()
+        finally:
+            self.connected.clear()  # ended or failed: not watching until listed again
+
+    def _follow(self) -> None:
         delay = 0.1
         while not self._stop.is_set():
             try:
-                records, revision = self.registry.get_prefix(self.prefix)
+                records, revision = self.registry.get_prefix(self.prefix, MAX_RECORD_BYTES)
                 self._resync(records)
                 self.synced.set()
                 self.connected.set()
                 delay = 0.1
-                for ev in self.registry.watch_prefix(self.prefix, revision + 1):
+                for ev in self.registry.watch_prefix(self.prefix, revision + 1,
+                                                     MAX_RECORD_BYTES):
                     self.events += 1
                     if ev.kind == "put":
                         self._put(ev.key, ev.value)
@@ -118,29 +138,57 @@ class Membership:
         try:
             record = InstanceRecord.decode(value)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            log.warning("registry: ignoring malformed record %s: %s", key, e)
+            ignored("registry", "malformed")
+            log.warning("registry: ignoring malformed record %s: %s", key, str(e)[:200])
             return
-        backend = self.router.upsert(backend_of(record))
+        if key != instance_key(record, self.prefix):
+            ignored("registry", "key_mismatch")
+            log.warning("registry: ignoring the record at %s: it names engine %s as %s", key,
+                        record.engine_id[:64], record.role)
+            return
+        url = record.api_url.rstrip("/")
         with self._lock:
-            old = self._keys.get(key)
-            self._keys[key] = backend.url
-            self._orphans.pop(backend.url, None)
-            stale = old is not None and old != backend.url and old not in self._keys.values()
-        if stale:
-            self.router.remove(old)
+            old = self._records.get(key)
+            self._records[key] = record
+            owner = self._owner(url)
+            self._orphans.pop(url, None)
+        if owner is record:
+            self.router.upsert(backend_of(record))
+        else:
+            ignored("registry", "url_taken")
+            log.warning("registry: ignoring %s: %s is %s's (engine %s) while its record "
+                        "stands", key, url, owner and instance_key(owner, self.prefix),
+                        owner and owner.engine_id)
+        if old is not None and old.api_url.rstrip("/") != url:
+            self._reassign(old.api_url.rstrip("/"))
+
+    def _owner(self, url: str) -> InstanceRecord | None:
+        """The first record naming ``url`` (lock held)."""
+        for record in self._records.values():
+            if record.api_url.rstrip("/") == url:
+                return record
+        return None
 
     def _resync(self, records: dict[str, bytes]) -> None:
-        for key in [k for k in self._keys if k not in records]:
+        for key in [k for k in self._records if k not in records]:
             self._gone(key)
         for key, value in records.items():
             self._put(key, value)
 
     def _gone(self, key: str) -> None:
         with self._lock:
-            url = self._keys.pop(key, None)
-            # another record (a restart under a new engine id) may name the same URL
-            if url is None or url in self._keys.values():
-                return
+            record = self._records.pop(key, None)
+        if record is not None:
+            self._reassign(record.api_url.rstrip("/"))
+
+    def _reassign(self, url: str) -> None:
+        """``url`` lost a record: the view comes from the next record naming it, if any;
+        else the instance is dropped (or kept a while if it still answers)."""
+        with self._lock:
+            owner = self._owner(url)
+        if owner is not None:
+            self.router.upsert(backend_of(owner))
+            return
         if self.router.get(url) is None:
             return
         if self._alive(url):
@@ -166,7 +214,7 @@ class Membership:
             expired = [
                 url
                 for url, since in self._orphans.items()
-                if now - since >= self.grace and url not in self._keys.values()
+                if now - since >= self.grace and self._owner(url) is None
             ]
             for url in expired:
                 del self._orphans[url]

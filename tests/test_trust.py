@@ -1,0 +1,207 @@
+"""Trust boundaries against real components: registry bytes from etcd are checked before
+they are trusted, a stray record cannot take over an instance's view, and background
+threads that fail are restarted and reported, never silently gone."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvbridge import background
+from kvbridge.config import SideChannelConfig
+from kvbridge.handshake import make_client, make_server
+from kvbridge.handshake.etcd import HANDSHAKE_PREFIX
+from kvbridge.registry import EtcdRegistry, InstanceRecord, instance_key, parse_registry_url
+from kvbridge.registry.etcd import RegistryError
+from kvbridge.registry.record import INSTANCES_PREFIX
+from kvbridge.server.membership import MAX_RECORD_BYTES, Membership
+from kvbridge.server.routing import Router
+from tests.helpers import compat, full_store, wait_until
+
+HOST = "127.0.0.1"
+
+
+def _wait(cond, timeout: float, what: str) -> object:
+    return wait_until(cond, timeout, what, tolerate=(RegistryError,))
+
+
+def _put_raw(etcd, key: bytes, value: bytes) -> None:
+    """A put through etcd's gateway with raw bytes: what any etcd client may write."""
+    ep = parse_registry_url(etcd.url)
+    r = httpx.post(f"http://{ep.host}:{ep.port}/v3/kv/put", timeout=10, json={
+        "key": base64.b64encode(key).decode(), "value": base64.b64encode(value).decode()})
+    assert r.status_code == 200, r.text
+
+
+def _rec(engine_id: str, role: str, url: str, compat_hash: str = "h") -> InstanceRecord:
+    return InstanceRecord(engine_id=engine_id, epoch="e", role=role, api_url=url, tp_size=1,
+                          compat_hash=compat_hash)
+
+
+def _ignored(reason: str) -> int:
+    return background.ignored_counts().get(("registry", reason), 0)
+
+
+@pytest.fixture
+def membership(etcd) -> Iterator[tuple[EtcdRegistry, Router, Membership]]:
+    reg = EtcdRegistry(parse_registry_url(etcd.url))
+    router = Router()
+    m = Membership(EtcdRegistry(parse_registry_url(etcd.url), timeout=1.0), router,
+                   grace=0.5, probe_timeout=1)
+    try:
+        yield reg, router, m
+    finally:
+        m.close()
+
+
+def test_bad_keys_and_records_under_the_instances_prefix_are_ignored(etcd, membership):
+    reg, router, m = membership
+    # already there when the proxy starts: listed, not fatal
+    _put_raw(etcd, INSTANCES_PREFIX.encode() + b"decode/\xff\xfe", b"{}")
+    p = _rec("p0", "prefill", "http://127.0.0.1:1")
+    reg.put(instance_key(p), p.encode())
+    bad_keys = _ignored("key_not_utf8")
+    m.start()
+    _wait(lambda: router.urls("prefill") == [p.api_url], 10, "listed past the bad key")
+    assert m.connected.is_set()
+    # arriving on the watch: ignored, and the watch goes on
+    _put_raw(etcd, INSTANCES_PREFIX.encode() + b"prefill/\xc3\x28", b"{}")
+    oversized = _ignored("oversized")
+    big = _rec("big", "decode", "http://127.0.0.1:3")
+    huge = big.encode()[:-1] + b',"pad":"' + b"x" * (MAX_RECORD_BYTES + 1) + b'"}'
+    reg.put(instance_key(big), huge)
+    d = _rec("d0", "decode", "http://127.0.0.1:2")
+    reg.put(instance_key(d), d.encode())
+    _wait(lambda: router.urls("decode") == [d.api_url], 10, "a record after the bad key")
+    assert _ignored("key_not_utf8") >= bad_keys + 2
+    assert _ignored("oversized") == oversized + 1
+    assert m.connected.is_set() and background.down() == {}
+    # and in the metrics
+    r = CollectorRegistry()
+    r.register(background.BackgroundCollector())
+    text = generate_latest(r).decode()
+    assert 'kvbridge_ignored_inputs_total{reason="key_not_utf8",source="registry"}' in text
+
+
+def test_a_stray_record_naming_an_instance_url_does_not_take_it_over(etcd, membership):
+    reg, router, m = membership
+    p, d = _rec("p0", "prefill", "http://127.0.0.1:11"), _rec("d0", "decode", "http://127.0.0.1:12")
+    for rec in (p, d):
+        reg.put(instance_key(rec), rec.encode())
+    m.start()
+    _wait(lambda: router.pick_pair() is not None, 10, "a pair")
+    # another engine id and compatibility hash, the decode's URL
+    stray = _rec("stray", "decode", d.api_url, compat_hash="other")
+    url_taken = _ignored("url_taken")
+    reg.put(instance_key(stray), stray.encode())
+    _wait(lambda: _ignored("url_taken") > url_taken, 10, "the stray record seen")
+    assert router.get(d.api_url).engine_id == "d0" and router.pick_pair() is not None
+    reg.delete(instance_key(stray))
+    marker = _rec("p1", "prefill", "http://127.0.0.1:13")
+    reg.put(instance_key(marker), marker.encode())  # the watch has passed the delete
+    _wait(lambda: router.get(marker.api_url) is not None, 10, "the watch to move on")
+    assert router.get(d.api_url).engine_id == "d0" and router.pick_pair() is not None
+    # the first record goes while another names the URL: the view comes from that one
+    reg.put(instance_key(stray), stray.encode())
+    reg.delete(instance_key(d))
+    _wait(lambda: router.get(d.api_url).engine_id == "stray", 10, "the remaining record")
+    # a record stored under another instance's key is not that instance
+    mismatch = _ignored("key_mismatch")
+    reg.put(instance_key(p), _rec("p9", "prefill", p.api_url, "other").encode())
+    _wait(lambda: _ignored("key_mismatch") > mismatch, 10, "the mismatched record seen")
+    assert router.get(p.api_url).engine_id == "p0"
+
+
+def test_the_membership_thread_survives_an_unexpected_error(etcd, membership, caplog):
+    reg, router, m = membership
+    calls = []
+
+    def on_added(backend) -> None:  # a bug in a callback, the first time only
+        calls.append(backend.url)
+        if len(calls) == 1:
+            raise RuntimeError("callback bug")
+
+    router.on_added = on_added
+    m.start()
+    with caplog.at_level(logging.ERROR, logger="kvbridge.background"):
+        a = _rec("d0", "decode", "http://127.0.0.1:21")
+        reg.put(instance_key(a), a.encode())
+        _wait(lambda: calls, 10, "the failing callback")
+        _wait(lambda: m.connected.is_set(), 10, "listed again after the restart")
+        b = _rec("d1", "decode", "http://127.0.0.1:22")
+        reg.put(instance_key(b), b.encode())
+        _wait(lambda: router.get(b.api_url) is not None, 10, "a record after the restart")
+    failures = [r for r in caplog.records if "kvbridge-membership" in r.getMessage()]
+    assert len(failures) == 1 and "callback bug" in failures[0].getMessage()
+    assert failures[0].exc_info is not None  # with its cause
+
+
+def test_a_failing_thread_is_down_while_it_waits_and_logged_once(caplog):
+    stop, healthy = threading.Event(), threading.Event()
+    runs = []
+
+    def loop() -> None:
+        runs.append(1)
+        if not healthy.is_set():
+            raise ValueError("broken")
+        stop.wait()
+
+    with caplog.at_level(logging.DEBUG, logger="kvbridge.background"):
+        t = background.Supervised("kvbridge-test-loop", loop, stop).start()
+        try:
+            wait_until(lambda: "kvbridge-test-loop" in background.down(), 10, "down")
+            assert background.down()["kvbridge-test-loop"] == "ValueError: broken"
+            r = CollectorRegistry()
+            r.register(background.BackgroundCollector())
+            assert 'kvbridge_background_thread_up{thread="kvbridge-test-loop"} 0.0' in \
+                generate_latest(r).decode()
+            wait_until(lambda: len(runs) >= 3, 10, "restarted with backoff")
+            healthy.set()
+            wait_until(lambda: "kvbridge-test-loop" not in background.down(), 10, "up again")
+            assert t.is_alive() and t.restarts >= 2
+        finally:
+            stop.set()
+            t.join(5)
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "broken" in errors[0].getMessage()  # once, not per restart
+    assert not t.is_alive()
+
+
+def _config(etcd) -> SideChannelConfig:
+    return SideChannelConfig.load({"handshake_method": "etcd", "registry": etcd.url,
+                                   "side_channel_port": 0, "handshake_timeout": 2}, environ={})
+
+
+def _fetched_from_the_watch(client, port: int) -> bool:
+    """One fetch answered from what the watch delivered (no etcd read of its own)."""
+    reads = client.reads
+    client.fetch(HOST, port, 0)
+    return client.reads == reads
+
+
+def test_a_bad_key_under_the_handshake_prefix_does_not_stop_the_watch(etcd):
+    cfg = _config(etcd)
+    _put_raw(etcd, HANDSHAKE_PREFIX.encode() + b"\xff:1/0", b"x")  # there before the decode
+    client = make_client(cfg, compat())
+    servers = []
+    try:
+        for bad in (HANDSHAKE_PREFIX.encode() + b"\xfe:2/0", None):
+            server = make_server(cfg, full_store(1))
+            server.start()
+            servers.append(server)
+            assert server.published.wait(10)
+            _wait(lambda s=server: _fetched_from_the_watch(client, s.port), 10,
+                  "the prefill's metadata delivered by the watch")
+            if bad is not None:  # and one arriving on the watch
+                _put_raw(etcd, bad, b"x")
+        assert background.down() == {}
+    finally:
+        for server in servers:
+            server.stop()
+        client.close()
