@@ -200,3 +200,69 @@ def to_jsonable(ranks: list[RankMetadata], compat: Compat) -> dict[str, Any]:
     """The JSON view served to people with curl (bytes as base64 by msgspec)."""
     return msgspec.to_builtins({"schema_version": SCHEMA_VERSION, "compat_hash": compat_hash(compat),
                                 "compat": compat, "ranks": ranks})
+
+
+# -- opaque per-rank payloads ---------------------------------------------------------------
+# A second envelope, for engines whose per-rank metadata kvbridge does not model (vLLM's
+# ``NixlHandshakePayload``): the side channel carries each rank's bytes unchanged and the
+# engine checks them itself. Its first key is ``payload_schema`` (not ``schema_version``), so
+# neither kind of envelope can be mistaken for the other. See docs/protocol.md.
+
+PAYLOAD_SCHEMA_VERSION = 1
+
+
+class RankPayload(_Strict):
+    """One rank's metadata as its engine encoded it."""
+
+    pp_rank: int
+    tp_rank: int
+    payload: bytes
+
+
+class PayloadEnvelope(_Strict):
+    """Every (or one) rank's opaque payload, with who serves it and when it was encoded.
+
+    ``clock`` is the serving process's ``time.perf_counter()`` and ``wall`` its
+    ``time.time()`` at encoding: a peer estimates the offset between the two processes'
+    monotonic clocks from them (vLLM stamps block expiry times with ``perf_counter``).
+    """
+
+    payload_schema: int
+    kind: str
+    engine_id: str
+    epoch: str
+    clock: float
+    wall: float
+    ranks: list[RankPayload]
+
+
+class _PayloadVersion(msgspec.Struct):
+    payload_schema: int
+
+
+_payload_version_decoder = msgspec.msgpack.Decoder(_PayloadVersion)
+_payload_envelope_decoder = msgspec.msgpack.Decoder(PayloadEnvelope)
+
+
+def encode_payload_envelope(env: PayloadEnvelope) -> bytes:
+    return _encoder.encode(env)
+
+
+def decode_payload_envelope(data: bytes, kind: str,
+                            max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> PayloadEnvelope:
+    """Check size, schema version and kind, then decode; payloads stay opaque."""
+    if len(data) > max_bytes:
+        raise WireFormatError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    version = _decode(_payload_version_decoder, data, "payload envelope").payload_schema
+    if version != PAYLOAD_SCHEMA_VERSION:
+        raise SchemaVersionError(f"peer speaks payload schema v{version}, we speak "
+                                 f"v{PAYLOAD_SCHEMA_VERSION}")
+    env = _decode(_payload_envelope_decoder, data, "payload envelope")
+    if env.kind != kind:
+        raise WireFormatError(f"peer serves {env.kind!r} metadata, we read {kind!r}")
+    seen = set()
+    for r in env.ranks:
+        if r.pp_rank < 0 or r.tp_rank < 0 or (r.pp_rank, r.tp_rank) in seen:
+            raise WireFormatError(f"invalid or repeated rank (pp {r.pp_rank}, tp {r.tp_rank})")
+        seen.add((r.pp_rank, r.tp_rank))
+    return env

@@ -169,7 +169,24 @@ class HandshakeClient(ABC):
 
         Bounded by ``timeout`` in total, whatever the peer does.
         """
-        deadline = time.monotonic() + self.timeout
+        body = self.fetch_body(host, port, tp_rank)
+        where = f"{self.method}://{host}:{port}"
+        try:
+            ranks = decode_envelope(body, self.expected, self.max_message_bytes)
+        except WireFormatError as e:
+            raise WireFormatError(f"{where}: {e}") from None
+        if tp_rank is not None and [r.tp_rank for r in ranks] != [tp_rank]:
+            raise WireFormatError(f"{where} answered ranks {[r.tp_rank for r in ranks]} "
+                                  f"when asked for rank {tp_rank}")
+        return ranks
+
+    def fetch_body(self, host: str, port: int, tp_rank: int | None = None,
+                   deadline: float | None = None) -> bytes:
+        """The peer's reply body for ``tp_rank`` (all ranks when None), not decoded: for
+        callers that carry another envelope (``PayloadStore``). Retries transport errors
+        until ``deadline`` (``time.monotonic()``; default ``timeout`` from now); a refusal
+        raises ``AuthError``, ``PeerMismatch`` or ``HandshakeError``."""
+        deadline = time.monotonic() + self.timeout if deadline is None else deadline
         delay = 0.02
         while True:
             try:
@@ -191,11 +208,4 @@ class HandshakeClient(ABC):
             raise PeerMismatch(f"{where} answered 404: {reply.error}")
         if reply.status != 200:
             raise HandshakeError(f"{where} answered {reply.status}: {reply.error}")
-        try:
-            ranks = decode_envelope(reply.body, self.expected, self.max_message_bytes)
-        except WireFormatError as e:
-            raise WireFormatError(f"{where}: {e}") from None
-        if tp_rank is not None and [r.tp_rank for r in ranks] != [tp_rank]:
-            raise WireFormatError(f"{where} answered ranks {[r.tp_rank for r in ranks]} "
-                                  f"when asked for rank {tp_rank}")
-        return ranks
+        return reply.body

