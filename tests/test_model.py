@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,10 +23,13 @@ from kvbridge.model import (
     LlamaConfig,
     LlamaForCausalLM,
     SeqChunk,
+    load_config,
     load_model,
     load_tokenizer,
+    tiny_weights,
     write_tiny_checkpoint,
 )
+from kvbridge.model.llama import UnsupportedModelError
 from kvbridge.tp_mapping import rank_heads
 
 PROMPTS = ["Hello, world", "The quick brown fox jumps over the lazy dog", "x",
@@ -215,3 +221,130 @@ def test_llama3_rope_scaling_only_changes_low_frequencies():
     assert b[-1] == pytest.approx(a[-1] / 8)  # the lowest is divided by the factor
     with pytest.raises(ValueError, match="rope_scaling"):
         LlamaConfig.from_hf({**base.to_hf(), "rope_scaling": {"type": "yarn", "factor": 2.0}})
+
+
+# -- real checkpoints: both RoPE layouts, templates, stop tokens, refused fields -------------
+
+def _edit_config(path, **changes) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is _DROP:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+_DROP = object()
+
+
+def test_rope_theta_is_read_from_either_layout(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "ckpt")
+    # transformers 5 writes RoPE under rope_parameters, with no top-level rope_theta.
+    _edit_config(path, rope_theta=_DROP, rope_scaling=_DROP,
+                 rope_parameters={"rope_theta": 100000.0, "rope_type": "default"})
+    cfg = load_config(path)
+    assert (cfg.rope_theta, cfg.rope_scaling) == (100000.0, None)
+    _edit_config(path, rope_parameters=_DROP, rope_theta=500000.0, rope_scaling=None)
+    assert load_config(path).rope_theta == 500000.0
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    _edit_config(path, rope_theta=_DROP, rope_parameters={"rope_theta": 5e5, **llama3})
+    new = load_config(path)
+    _edit_config(path, rope_parameters=_DROP, rope_theta=5e5, rope_scaling=llama3)
+    old = load_config(path)
+    assert new == old and new.rope_scaling["rope_type"] == "llama3"
+    assert torch.equal(LlamaForCausalLM(new).rotary.inv_freq,
+                       LlamaForCausalLM(old).rotary.inv_freq)
+
+
+def test_the_rope_base_changes_the_answer(tmp_path):
+    """The base is not cosmetic: reading 10000 for a 100000 model changes the logits."""
+    path = write_tiny_checkpoint(tmp_path / "ckpt")
+    _edit_config(path, rope_theta=_DROP, rope_parameters={"rope_theta": 100000.0})
+    ids = ByteTokenizer().encode(PROMPTS[1])
+    a, b = load_model(path), load_model(None)
+    assert not torch.allclose(_logits(a, _cache(a, 8, 16), [SeqChunk(ids, 0, [0, 1, 2])], 16),
+                              _logits(b, _cache(b, 8, 16), [SeqChunk(ids, 0, [0, 1, 2])], 16))
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"sliding_window": 4096}, "sliding_window"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"model_type": "mistral"}, "model_type 'mistral'"),
+    ({"architectures": ["Qwen2ForCausalLM"]}, "Qwen2ForCausalLM"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling type 'yarn'"),
+    ({"rope_theta": _DROP, "rope_parameters": {"rope_theta": 1e4, "rope_type": "dynamic"}},
+     "rope_parameters type 'dynamic'"),
+    ({"rope_theta": 1e4, "rope_parameters": {"rope_theta": 1e6}}, "disagree"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+])
+def test_unsupported_config_fields_are_refused_by_name(tmp_path, changes, named):
+    path = write_tiny_checkpoint(tmp_path / "ckpt")
+    _edit_config(path, **changes)
+    with pytest.raises(UnsupportedModelError, match=re.escape(named)) as e:
+        load_config(path)
+    assert "\n" not in str(e.value)
+
+
+def test_neutral_values_of_those_fields_are_accepted(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "ckpt")
+    _edit_config(path, attention_bias=False, mlp_bias=False, sliding_window=None,
+                 hidden_act="silu", layer_types=["full_attention"] * 2, pretraining_tp=1)
+    assert load_config(path) == LlamaConfig.tiny()
+
+
+def test_tied_embeddings_share_the_input_embedding(tmp_path):
+    from safetensors.torch import save_file
+
+    path = write_tiny_checkpoint(tmp_path / "ckpt")
+    config = dataclasses.replace(LlamaConfig.tiny(), tie_word_embeddings=True)
+    weights = tiny_weights(config)
+    assert "lm_head.weight" not in weights
+    save_file(weights, str(path / "model.safetensors"))
+    _edit_config(path, tie_word_embeddings=True)
+    for rank in range(2):
+        model = load_model(path, rank, 2)
+        assert torch.equal(model.lm_head.weight, weights["model.embed_tokens.weight"])
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_template_jinja_file_wins_over_tokenizer_config(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "ckpt")  # tokenizer_config.json has a template
+    old = load_tokenizer(path)
+    (path / "chat_template.jinja").write_text(CHATML)
+    tok = load_tokenizer(path)
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.chat_template == CHATML != old.chat_template
+    assert tok.apply_chat_template(messages) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # The template writes every special token itself: no BOS is added in front.
+    assert tok.encode_chat(messages) == tok.encode(tok.apply_chat_template(messages), False)
+
+
+def test_a_checkpoint_template_is_never_replaced_by_the_default(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "ckpt", chat_template=None)
+    (path / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
+    with pytest.raises(ValueError, match="no system role"):
+        load_tokenizer(path).apply_chat_template([{"role": "user", "content": "x"}])
+    bare = write_tiny_checkpoint(tmp_path / "bare", chat_template=None)
+    assert load_tokenizer(bare).chat_template is None  # only then: the default
+    assert load_tokenizer(bare).apply_chat_template([{"role": "user", "content": "x"}]) == \
+        "<|user|>\nx\n<|assistant|>\n"
+
+
+def test_stop_tokens_come_from_every_config_file(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "ckpt")
+    assert load_tokenizer(path).eos_token_ids == {257}
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, 10]}))
+    assert load_tokenizer(path).eos_token_ids == {257, 10}
+    # A turn-ending token named only in tokenizer_config.json stops generation too.
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "eos_token": "<s>"}))
+    assert load_tokenizer(path).eos_token_ids == {256, 257, 10}

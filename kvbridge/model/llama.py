@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kvbridge.errors import ConfigError
 from kvbridge.model.attention import AttentionMetadata, paged_attention
 from kvbridge.tp_mapping import rank_heads
 
@@ -54,13 +55,15 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> LlamaConfig:
+        """The config of a Hugging Face ``config.json``; ``UnsupportedModelError`` (one line
+        naming the field) for anything this engine would otherwise compute differently.
+
+        RoPE comes in either layout: transformers 5's ``rope_parameters`` ({rope_theta,
+        rope_type, scaling keys}) or the older top-level ``rope_theta`` + ``rope_scaling``.
+        """
+        _check_supported(d)
         heads = d["num_attention_heads"]
-        scaling = d.get("rope_scaling")
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("linear", "llama3", "default"):
-                raise ValueError(f"unsupported rope_scaling type {kind!r} "
-                                 "(supported: linear, llama3)")
+        theta, scaling = _rope(d)
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -69,10 +72,10 @@ class LlamaConfig:
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
-            rope_theta=d.get("rope_theta", 10000.0),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
         )
 
@@ -92,6 +95,67 @@ class LlamaConfig:
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
         return max(1, self.num_key_value_heads // tp_size)
+
+
+class UnsupportedModelError(ConfigError):
+    """A checkpoint's config asks for something this engine does not compute."""
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+# Fields that change the computation when set to anything but their neutral value.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "attention_bias": (None, False), "mlp_bias": (None, False),
+    "sliding_window": (None,), "use_sliding_window": (None, False),
+    "attn_logit_softcapping": (None,), "final_logit_softcapping": (None,),
+    "quantization_config": (None,), "partial_rotary_factor": (None, 1, 1.0),
+    "hidden_act": (None, "silu"),
+}
+
+
+def _check_supported(d: dict[str, Any]) -> None:
+    model_type = d.get("model_type")
+    if model_type not in (None, "llama"):
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported (kvbridge's "
+                                    "engine runs llama checkpoints)")
+    archs = d.get("architectures") or []
+    if any(a != "LlamaForCausalLM" for a in archs):
+        raise UnsupportedModelError(f"architectures {archs} are not supported (only "
+                                    "LlamaForCausalLM)")
+    for key, neutral in _NEUTRAL.items():
+        if d.get(key) not in neutral:
+            raise UnsupportedModelError(f"{key}={d[key]!r} is not supported by kvbridge's "
+                                        f"engine (it computes {key}={neutral[-1]!r})")
+    layer_types = d.get("layer_types")
+    if layer_types is not None and set(layer_types) != {"full_attention"}:
+        raise UnsupportedModelError(f"layer_types {sorted(set(layer_types))} are not "
+                                    "supported (only full_attention)")
+
+
+def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None) from either config layout."""
+    params = d.get("rope_parameters")
+    top_theta, top_scaling = d.get("rope_theta"), d.get("rope_scaling")
+    if params is not None:
+        if not isinstance(params, dict) or "rope_theta" not in params and "rope_type" not in \
+                params:
+            raise UnsupportedModelError(f"rope_parameters {params!r}: expected one "
+                                        "{rope_theta, rope_type, ...} (per-layer-type RoPE is "
+                                        "not supported)")
+        theta = params.get("rope_theta", top_theta)
+        if top_theta is not None and theta != top_theta:
+            raise UnsupportedModelError(f"rope_theta {top_theta} and rope_parameters.rope_theta "
+                                        f"{theta} disagree")
+        where, scaling = "rope_parameters", {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta, where, scaling = top_theta, "rope_scaling", top_scaling
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise UnsupportedModelError(f"{where} type {kind!r} is not supported (supported: "
+                                        f"{', '.join(ROPE_TYPES)})")
+        scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+    return float(10000.0 if theta is None else theta), scaling
 
 
 def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
