@@ -87,7 +87,7 @@ class VLLMProcess(ChildProcess):
     ``connector`` is ``None`` (no KV transfer), ``"native"`` (vLLM's own NixlConnector) or
     ``"kvbridge"`` (the plug-in, ``extra_config`` as its ``kv_connector_extra_config``).
     ``core`` pins vLLM's OpenMP threads: two servers left to bind every core spin against
-    each other on a small machine.
+    each other on a small machine. Eager mode: compiling the model takes minutes on a CPU.
     """
 
     def __init__(self, name: str, log_dir: Path, model: str | Path, *, port: int,
@@ -98,7 +98,7 @@ class VLLMProcess(ChildProcess):
         self.url = f"http://127.0.0.1:{port}"
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                 str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                "--max-model-len", "2048", *args]
+                "--max-model-len", "2048", "--enforce-eager", *args]
         if connector is not None:
             kv: dict[str, Any] = {"kv_role": "kv_both", "kv_buffer_device": "cpu"}
             if connector == "native":
