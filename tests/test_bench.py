@@ -46,7 +46,7 @@ def _goals(data: dict) -> None:
 
 def test_every_benchmark_is_registered():
     assert set(BENCHMARKS) == {
-        "handshake", "sidechannel", "transfer", "serve", "fleet", "hostile"}
+        "handshake", "sidechannel", "transfer", "serve", "fleet", "hostile", "vllm"}
 
 
 def test_handshake(tmp_path):

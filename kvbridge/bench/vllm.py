@@ -297,8 +297,7 @@ def _goals(r: dict[str, Any]) -> list[dict[str, Any]]:
     goals = []
 
     def goal(text: str, ratio: float, limit: float) -> None:
-        goals.append({"goal": text, "value": f"{ratio:.2f}x", "ratio": ratio,
-                      "reached": ratio <= limit})
+        goals.append({"goal": text, "value": f"{ratio:.2f}x", "reached": ratio <= limit})
 
     for s in ("zmq", "http", "https"):
         if s in r:
