@@ -86,3 +86,30 @@ def test_gloo_binds_the_interface_that_owns_the_advertised_address() -> None:
     assert interface_of("127.0.0.1") == "lo"
     assert interface_of("192.0.2.1") is None  # TEST-NET-1: on no interface here
     assert interface_of("::1") is None  # IPv6: left to gloo's own choice
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses of the sockets listening on ``port`` (from /proc/net/tcp{,6})."""
+    out = set()
+    for name in ("tcp", "tcp6"):
+        with open(f"/proc/net/{name}") as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, _, hexport = local.partition(":")
+                if state == "0A" and int(hexport, 16) == port:  # LISTEN
+                    out.add(addr)
+    return out
+
+
+def test_the_rendezvous_store_listens_on_the_master_address_only() -> None:
+    from datetime import timedelta
+
+    from kvbridge.engine.distributed import rendezvous_store
+    from kvbridge.errors import NodeError
+
+    port = free_port()
+    store = rendezvous_store("127.0.0.1", port, 1, True, timedelta(seconds=10))
+    store.set("k", "v")
+    assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1, not 0.0.0.0 nor ::
+    with pytest.raises(NodeError, match="cannot listen on 198.18.0.1"):  # not this node's
+        rendezvous_store("198.18.0.1", free_port(), 1, True, timedelta(seconds=1))

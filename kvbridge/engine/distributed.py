@@ -22,6 +22,7 @@ import ipaddress
 import os
 import socket
 import struct
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -30,7 +31,8 @@ from typing import Any
 from kvbridge.config import MultiNodeConfig
 from kvbridge.errors import NodeError
 
-__all__ = ["MultiNodeConfig", "call_everywhere", "init_rank", "interface_of", "serve_remote"]
+__all__ = ["MultiNodeConfig", "call_everywhere", "init_rank", "interface_of", "rendezvous_store",
+           "serve_remote"]
 
 PING = "__ping__"
 SHUTDOWN = "__shutdown__"
@@ -51,8 +53,7 @@ def init_rank(cfg: MultiNodeConfig, rank: int, world_size: int,
         os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
     wait = timedelta(seconds=cfg.node_timeout)
     try:
-        store = dist.TCPStore(cfg.master_addr, cfg.master_port, world_size,
-                              is_master=rank == 0, timeout=wait, wait_for_workers=True)
+        store = rendezvous_store(cfg.master_addr, cfg.master_port, world_size, rank == 0, wait)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=max(wait, collective_timeout))
         control = dist.new_group([0, *cfg.remote_ranks(world_size)], timeout=wait)
@@ -62,6 +63,46 @@ def init_rank(cfg: MultiNodeConfig, rank: int, world_size: int,
                         f"instance joined at {cfg.master_addr}:{cfg.master_port} within "
                         f"{cfg.node_timeout:g}s (--node-timeout): {first}") from e
     return control
+
+
+# Listening sockets handed to a master store: kept open for the life of the process.
+_LISTENERS: list[socket.socket] = []
+
+
+def rendezvous_store(master_addr: str, master_port: int, world_size: int, is_master: bool,
+                     timeout: timedelta) -> Any:
+    """The instance's ``TCPStore``. The master listens on ``master_addr`` only (torch alone
+    would listen on every interface): its socket is bound here and handed to torch
+    (``master_listen_fd``). The store answers anyone who reaches it (no authentication):
+    ``master_addr`` must be on the instances' private network (docs/security.md)."""
+    import torch.distributed as dist
+
+    if not is_master:
+        return dist.TCPStore(master_addr, master_port, world_size, is_master=False,
+                             timeout=timeout, wait_for_workers=True)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:  # a name (the head's own DNS name, say) may resolve only once the node is up
+            family, _, _, _, addr = socket.getaddrinfo(
+                master_addr.strip("[]"), master_port, type=socket.SOCK_STREAM)[0]
+            break
+        except socket.gaierror as e:
+            if time.monotonic() > deadline:
+                raise NodeError(f"--master-addr {master_addr!r} does not resolve: {e}") from None
+            time.sleep(0.5)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise NodeError(f"the rendezvous store cannot listen on {master_addr}:{master_port} "
+                        f"(--master-addr/--master-port, an address of this node): "
+                        f"{e.strerror or e}") from None
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=True,
+                          timeout=timeout, wait_for_workers=True, master_listen_fd=sock.fileno())
+    _LISTENERS.append(sock)
+    return store
 
 
 def broadcast_command(control: Any, command: Any) -> Any:
