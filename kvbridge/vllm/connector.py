@@ -154,7 +154,8 @@ class KVBridgeWorker(NixlPullConnectorWorker):
                  kv_cache_config: KVCacheConfig, settings: PluginSettings):
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvbridge_settings = settings
-        self.kvbridge_epochs: dict[str, str] = {}  # remote engine id -> epoch seen
+        # (host, port) -> the epoch of the instance last handshaken there ("" over zmq)
+        self.kvbridge_epochs: dict[tuple[str, int], str] = {}
         self._kvbridge_client: HandshakeClient | VllmZmqClient | None = None
         self._kvbridge_lock = threading.Lock()
 
@@ -207,12 +208,13 @@ class KVBridgeWorker(NixlPullConnectorWorker):
                                                                    remote_dcp_size)
         targets = [(pp, tp) for pp in range(remote_pp_size) for tp in p_remote_ranks]
         fetched = self._kvbridge_fetch(host, port, targets, expected_engine_id)
-        if fetched.epoch:
-            previous = self.kvbridge_epochs.get(expected_engine_id)
-            self.kvbridge_epochs[expected_engine_id] = fetched.epoch
-            log.info("kvbridge handshake: %s:%d engine %s epoch %s%s", host, port,
-                     fetched.engine_id, fetched.epoch,
-                     f" (was {previous})" if previous and previous != fetched.epoch else "")
+        previous = self.kvbridge_epochs.get((host, port))
+        self.kvbridge_epochs[(host, port)] = fetched.epoch
+        log.info("kvbridge handshake: %s %s:%d engine %s epoch %s%s, %d rank(s)",
+                 self.kvbridge_settings.method, host, port, expected_engine_id,
+                 fetched.epoch or "-",
+                 f" (new; was {previous})" if previous and previous != fetched.epoch else "",
+                 len(targets))
         remote_rank_to_agent_name: dict[tuple[int, int], str] = {}
         for remote_pp_rank, remote_rank in targets:
             remote_rank_to_agent_name[(remote_pp_rank, remote_rank)] = self._kvbridge_admit(

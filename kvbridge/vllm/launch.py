@@ -32,6 +32,15 @@ from kvbridge.net import free_port
 
 Connector = Literal["kvbridge", "nixl", None]
 
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the process that started it dies (Linux), so a killed
+    test run leaves no vLLM server behind."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
 # vLLM's CPU build: a KV cache of 1 GiB is plenty for the small models used here.
 DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -82,10 +91,12 @@ class VllmServer:
         ``VLLM_NIXL_SIDE_CHANNEL_PORT``; default a free port."""
         port = port or free_port()
         extra = dict(extra_config or {})
-        if connector is not None and side_channel_port is None:
-            side_channel_port = int(extra.get("side_channel_port") or free_port())
-        if connector == "kvbridge":
-            extra.setdefault("side_channel_port", side_channel_port)
+        if connector == "kvbridge" and "side_channel_port" in extra:
+            side_channel_port = int(extra["side_channel_port"]) or None  # 0: chosen at bind
+        elif connector is not None:
+            side_channel_port = side_channel_port or free_port()
+            if connector == "kvbridge":
+                extra["side_channel_port"] = side_channel_port
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                 str(model), "--port", str(port), "--host", "127.0.0.1",
                 "--max-model-len", str(max_model_len), "--dtype", dtype,
@@ -101,15 +112,27 @@ class VllmServer:
         full_env = {**os.environ, **DEFAULT_ENV, **(env or {})}
         if core is not None:
             full_env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-        if connector is not None and side_channel_port is not None:
+        if connector == "nixl":
             full_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
         log_path = Path(log_dir) / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=full_env,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_die_with_parent)
         return cls(name, proc, port, side_channel_port, log_path, argv, full_env)
+
+    def restart(self) -> None:
+        """Stop the server and start it again with the same command line, environment and
+        ports (a new process: a new engine id and epoch). Not waiting for it."""
+        self.stop()
+        with open(self.log_path, "ab") as log:
+            log.write(b"\n--- restarted ---\n")
+            log.flush()
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True,
+                                         preexec_fn=_die_with_parent)
 
     def log_tail(self, lines: int = 60) -> str:
         try:

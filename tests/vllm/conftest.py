@@ -1,0 +1,43 @@
+"""Real vLLM servers for the plug-in's tests: the packaged SmolLM2, one core per server."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbridge.vllm.launch import VllmServer
+
+# Over 16 tokens: the decode reads whole KV blocks, not only a partial one.
+PROMPT = ("Question: What is the capital of France, and which river flows through it? "
+          "Answer in one sentence.\nAnswer:")
+MAX_TOKENS = 12
+START_TIMEOUT = 900.0  # two cores shared by every server a module starts
+# Decodes without a prefix cache: every P/D of the same prompt reads the KV again.
+NO_PREFIX_CACHE = ["--no-enable-prefix-caching"]
+
+
+@pytest.fixture(scope="session")
+def model() -> Path:
+    from kvbridge.model.models import prepare
+
+    return prepare("smollm2-135m-instruct", progress=False)
+
+
+@contextlib.contextmanager
+def running(*servers: VllmServer) -> Iterator[tuple[VllmServer, ...]]:
+    """Wait until every server is healthy (they start in parallel); stop them all after."""
+    try:
+        for s in servers:
+            s.wait_healthy(START_TIMEOUT)
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def nixl_bytes(server: VllmServer) -> float:
+    """Bytes the server's NIXL READs moved so far (vLLM's own metric)."""
+    return server.metrics().get("vllm:nixl_bytes_transferred_sum", 0.0)
