@@ -12,14 +12,22 @@ bottleneck as it can be.
 Reported per level: handshakes/s (wall clock), the server's CPU seconds during the window
 and handshakes per server CPU second (what one core can do), p50/p99 latency, errors, and
 the server's peak RSS (VmHWM).
+
+``--load-generator wrk`` measures with wrk (C, Debian's ``wrk`` package) instead: wrk
+pinned to core 0 with one thread and N connections, the server process (all its threads)
+pinned to core 1 with ``taskset``, the token in a header; latency percentiles from wrk's
+own histogram, errors = wrk's connect/read/write/timeout errors plus non-2xx answers.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
+import shutil
 import ssl
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=8.0, help="seconds per level")
     p.add_argument("--schemes", default="http,https", help="http and/or https (TLS)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds one request may take")
+    p.add_argument("--load-generator", choices=["python", "wrk"], default="python",
+                   help="python: an asyncio herd in this process; wrk: wrk on core 0, the "
+                        "server on core 1 (apt-get install wrk)")
 
 
 def _quick(args: argparse.Namespace) -> None:
@@ -188,6 +199,57 @@ async def _level(port: int, ctx: ssl.SSLContext | None, n: int, duration: float,
     }
 
 
+# wrk's Lua hooks: the token header, and one JSON line with the figures at the end.
+_WRK_SCRIPT = """
+wrk.headers["Authorization"] = "Bearer %s"
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    '{"requests":%%d,"duration_us":%%d,"p50_us":%%d,"p90_us":%%d,"p99_us":%%d,' ..
+    '"mean_us":%%f,"max_us":%%d,"connect":%%d,"read":%%d,"write":%%d,"status":%%d,' ..
+    '"timeout":%%d}\\n', summary.requests, summary.duration, latency:percentile(50),
+    latency:percentile(90), latency:percentile(99), latency.mean, latency.max,
+    e.connect, e.read, e.write, e.status, e.timeout))
+end
+"""
+
+
+def _pin(pid: int, core: int) -> None:
+    """Every thread of ``pid`` on ``core`` (the server has NIXL's and uvicorn's threads)."""
+    subprocess.run(["taskset", "-a", "-p", "-c", str(core), str(pid)], check=True,
+                   capture_output=True)
+
+
+def _wrk_level(url: str, n: int, duration: float, timeout: float, script: Path,
+               server: Child) -> dict[str, Any]:
+    before = server.stats()
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        ["taskset", "-c", "0", "wrk", "-t1", f"-c{n}", f"-d{max(1, round(duration))}s",
+         f"--timeout={max(1, round(timeout))}s", "-s", str(script), url],
+        capture_output=True, text=True, timeout=duration + timeout + 60)
+    wall = time.perf_counter() - t0
+    after = server.stats()
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"wrk failed ({out.returncode}): {out.stderr[-500:] or out.stdout}")
+    w = json.loads(lines[-1])
+    seconds = w["duration_us"] / 1e6
+    cpu = after["cpu_seconds"] - before["cpu_seconds"]
+    kinds = {k: w[k] for k in ("connect", "read", "write", "status", "timeout") if w[k]}
+    return {
+        "clients": n, "handshakes": w["requests"] - w["status"], "seconds": seconds,
+        "handshakes_per_s": (w["requests"] - w["status"]) / seconds,
+        "server_cpu_seconds": cpu, "server_cpu_utilisation": cpu / wall,
+        "handshakes_per_server_cpu_second": w["requests"] / cpu if cpu > 0 else float("nan"),
+        "latency_ms": {"p50": w["p50_us"] / 1000, "p90": w["p90_us"] / 1000,
+                       "p99": w["p99_us"] / 1000, "mean": w["mean_us"] / 1000,
+                       "max": w["max_us"] / 1000},
+        "errors": sum(kinds.values()), "error_kinds": kinds,
+        "server_peak_rss_mib": after["peak_rss_mib"], "server_rss_mib": after["rss_mib"],
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         _quick(args)
@@ -201,8 +263,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         certs = write_certs(Path(t))
         methods = ",".join("http" if s == "http" else "https" for s in schemes)
         progress("sidechannel: starting the server process (TP 2, 32 layers)")
+        wrk = args.load_generator == "wrk"
+        if wrk and not (shutil.which("wrk") and shutil.which("taskset")):
+            raise SystemExit("kvbridge bench sidechannel: --load-generator wrk needs wrk and "
+                             "taskset (apt-get install wrk util-linux)")
+        script = Path(t) / "token.lua"
+        script.write_text(_WRK_SCRIPT % TOKEN)
         with Child("sidechannel", "--tp", "2", "--methods", methods, "--token", TOKEN,
                    "--certs", str(certs), "--num-blocks", "4") as server:
+            if wrk:
+                _pin(server.pid, 1)
             start_stats = server.stats()
             server_idle_cpu = idle_cpu(server.pid, 0.5)
             for scheme in schemes:
@@ -214,9 +284,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for n in levels:
                     progress(f"sidechannel: {scheme}, {n} clients in flight, "
                              f"{args.duration:g} s")
-                    # uvloop: the herd shares 2 cores with the server; the lighter it is,
-                    # the more the figures are the server's.
-                    r = uvloop.run(_level(port, ctx, n, args.duration, args.timeout, server))
+                    if wrk:
+                        r = _wrk_level(f"{scheme}://127.0.0.1:{port}{PATH}/0", n,
+                                       args.duration, args.timeout, script, server)
+                    else:
+                        # uvloop: the herd shares 2 cores with the server; the lighter it
+                        # is, the more the figures are the server's.
+                        r = uvloop.run(_level(port, ctx, n, args.duration, args.timeout,
+                                              server))
                     progress(f"sidechannel: {scheme} x{n}: {r['handshakes_per_s']:.0f}/s, "
                              f"p99 {r['latency_ms']['p99']:.1f} ms, {r['errors']} errors")
                     results[scheme].append(r)
@@ -240,8 +315,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "config": {"levels": levels, "duration_s": args.duration, "schemes": schemes,
                    "server": "HttpHandshakeServer (uvicorn, one event-loop thread), TP 2 store, "
-                             "32 layers, token", "client": "asyncio raw HTTP/1.1, one keep-alive "
-                   "connection per client, one process",
+                             "32 layers, token" + (", pinned to core 1" if wrk else ""),
+                   "client": ("wrk, one thread pinned to core 0, one keep-alive connection per "
+                              "client" if wrk else "asyncio raw HTTP/1.1, one keep-alive "
+                              "connection per client, one process"),
                    "nixl_progress_delay_us": PROGRESS_DELAY_US, "quick": args.quick},
         "envelope_bytes_per_rank": info["envelope_bytes_per_rank"],
         "results": results,

@@ -285,7 +285,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"kvbridge bench vllm: unknown setups {unknown}: use {SETUPS}")
     model = _model(args)
-    out: dict[str, Any] = {"model": model, "vllm_version": _vllm_version(),
+    out: dict[str, Any] = {"config": {"setups": setups, "requests": args.requests,
+                                      "throughput_requests": args.throughput_requests,
+                                      "fetches": args.fetches,
+                                      "output_tokens": args.output_tokens, "quick": args.quick},
+                           "model": model, "vllm_version": _vllm_version(),
                            "load_average_start": load_average(), "setups": {}}
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as d:
         for s in setups:
