@@ -24,6 +24,7 @@ from kvbridge.config import (
     SideChannelConfig,
     TLSConfig,
     parse_cert_reqs,
+    read_token_file,
 )
 from kvbridge.errors import ConfigError, NodeError, WorkerError
 from kvbridge.net import bind_socket, check_port_free
@@ -45,6 +46,14 @@ def _side_channel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--side-channel-ssl-keyfile")
     g.add_argument("--side-channel-ssl-ca-certs")
     g.add_argument("--side-channel-ssl-cert-reqs")
+    g.add_argument("--side-channel-tokens-file", dest="tokens_file",
+                   help="file (mode 600) of NAME:TOKEN lines the side channel and the KV "
+                   "routes accept (one per peer; re-read when it changes)")
+    g.add_argument("--side-channel-ssl-allowed-peers", dest="ssl_allowed_peers",
+                   help="comma-separated glob patterns: with mutual TLS, only client "
+                   "certificates whose CN or a SAN matches one may fetch metadata")
+    g.add_argument("--audit-log", dest="audit_log",
+                   help="append one JSON line per metadata fetch, refusal and release here")
 
 
 def _multinode_flags(p: argparse.ArgumentParser) -> None:
@@ -200,6 +209,13 @@ def _parser() -> argparse.ArgumentParser:
     _budget_flags(x)
     x.add_argument("--kv-token-file", help="side-channel token file (mode 600), sent to the "
                    "decodes' /v1/kv/prewarm (env: KVBRIDGE_SIDE_CHANNEL_TOKEN[_FILE])")
+    x.add_argument("--admin-token-file", default=os.environ.get("KVBRIDGE_ADMIN_TOKEN_FILE"),
+                   help="file (mode 600) with the token /v1/fleet, /healthz/backends, "
+                   "GET /v1/kv/prewarm and /metrics then need (Authorization: Bearer)")
+    x.add_argument("--admin-routes", choices=["open", "off"],
+                   default=os.environ.get("KVBRIDGE_ADMIN_ROUTES", "open"),
+                   help="off: no admin route on the user port (default open: open to every "
+                   "client of the proxy unless --admin-token-file)")
 
     d = sub.add_parser("demo", help="prefill (TP 1) + decode (TP 2) + proxy over TLS, a few prompts")
     d.add_argument("--prompts", nargs="*", help="prompts to send (default: a few built-in)")
@@ -286,7 +302,8 @@ def _serve(args: argparse.Namespace) -> int:
                                            "side_channel_host", "side_channel_port",
                                            "advertise_host", "token_file", "registry",
                                            "registry_ca_certs", "registry_certfile",
-                                           "registry_keyfile")}
+                                           "registry_keyfile", "tokens_file",
+                                           "ssl_allowed_peers", "audit_log")}
     # As in the seed: the side channel reuses the API server's TLS settings, each one
     # unless given its own (a certificate of its own comes with its own key, or none).
     own_cert = args.side_channel_ssl_certfile is not None
@@ -424,7 +441,9 @@ def _proxy(args: argparse.Namespace) -> int:
               client_cert=tuple(args.client_cert) if args.client_cert else None,
               timeout=args.timeout, log_level=args.log_level, prewarm=args.prewarm,
               kv_token=token, registry=registry, routing=args.routing,
-              prefill_timeout=args.prefill_timeout)
+              prefill_timeout=args.prefill_timeout,
+              admin_token=read_token_file(args.admin_token_file) if args.admin_token_file
+              else None, admin_routes=args.admin_routes)
     return 0
 
 

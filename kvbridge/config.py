@@ -44,6 +44,9 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "registry_ca_certs": ("KVBRIDGE_REGISTRY_CA_CERTS",),
     "registry_certfile": ("KVBRIDGE_REGISTRY_CERTFILE",),
     "registry_keyfile": ("KVBRIDGE_REGISTRY_KEYFILE",),
+    "tokens_file": ("KVBRIDGE_SIDE_CHANNEL_TOKENS_FILE",),
+    "ssl_allowed_peers": ("KVBRIDGE_SSL_ALLOWED_PEERS",),
+    "audit_log": ("KVBRIDGE_AUDIT_LOG",),
 }
 
 # How a port-in-use error names the side-channel port setting.
@@ -98,6 +101,13 @@ class SideChannelConfig:
     registry_ca_certs: str | None = None
     registry_certfile: str | None = None
     registry_keyfile: str | None = None
+    # who may fetch (kvbridge/handshake/authz.py): NAME:TOKEN lines accepted by the side
+    # channel and the KV routes (instead of the single token; re-read when changed),
+    # glob patterns a client certificate's CN or SAN must match (mutual TLS), and where
+    # to append one JSON line per fetch, refusal and release
+    tokens_file: str | None = None
+    ssl_allowed_peers: str | None = None
+    audit_log: str | None = None
 
     @classmethod
     def load(cls, flags: Mapping[str, Any] | None = None,
@@ -160,6 +170,13 @@ class SideChannelConfig:
         if self.ssl_cert_reqs != ssl.CERT_NONE and not self.ssl_ca_certs:
             raise ConfigError("client certificates required but no CA bundle (ssl_ca_certs) "
                               "to verify them")
+        if self.ssl_allowed_peers and self.ssl_cert_reqs != ssl.CERT_REQUIRED:
+            raise ConfigError("ssl_allowed_peers needs client certificates: set ssl_cert_reqs "
+                              "to required")
+        if self.tokens_file:
+            from kvbridge.handshake.authz import _read_named
+
+            _read_named(self.tokens_file)  # now, so a bad file fails at start
         if self.token and self.token_file:
             raise ConfigError("give the side-channel token either inline or as a file, not both")
         if self.token_file:

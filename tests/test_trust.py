@@ -5,22 +5,29 @@ threads that fail are restarted and reported, never silently gone."""
 from __future__ import annotations
 
 import base64
+import json
 import logging
+import os
 import threading
 from collections.abc import Iterator
 
 import httpx
 import pytest
+import trustme
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvbridge import background
-from kvbridge.config import SideChannelConfig
+from kvbridge.config import SideChannelConfig, TLSConfig
+from kvbridge.errors import AuthError, ConfigError, HandshakeError
 from kvbridge.handshake import make_client, make_server
 from kvbridge.handshake.etcd import HANDSHAKE_PREFIX
+from kvbridge.handshake.http import HttpHandshakeClient
 from kvbridge.registry import EtcdRegistry, InstanceRecord, instance_key, parse_registry_url
 from kvbridge.registry.etcd import RegistryError
 from kvbridge.registry.record import INSTANCES_PREFIX
+from kvbridge.server.api import BackgroundServer
 from kvbridge.server.membership import MAX_RECORD_BYTES, Membership
+from kvbridge.server.proxy import build_proxy_app
 from kvbridge.server.routing import Router
 from tests.helpers import compat, full_store, wait_until
 
@@ -205,3 +212,113 @@ def test_a_bad_key_under_the_handshake_prefix_does_not_stop_the_watch(etcd):
         for server in servers:
             server.stop()
         client.close()
+
+
+# -- who may fetch, and a record of who did ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def peer_certs(tmp_path_factory) -> dict[str, str]:
+    """One CA; a server certificate for 127.0.0.1; client certificates for two names."""
+    d = tmp_path_factory.mktemp("peer-certs")
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    out = {"ca": str(d / "ca.pem")}
+    for name, ids in (("server", ("127.0.0.1",)), ("decode-a", ("decode-a.kv.internal",)),
+                      ("intruder", ("intruder.kv.internal",))):
+        cert = ca.issue_cert(*ids)
+        cert.cert_chain_pems[0].write_to_path(str(d / f"{name}.pem"))
+        cert.private_key_pem.write_to_path(str(d / f"{name}.key"))
+        out[name] = str(d / f"{name}.pem")
+        out[name + ".key"] = str(d / f"{name}.key")
+    return out
+
+
+def _write_tokens(path, text: str) -> None:
+    """As a secret store rotates a file: a new file moved into place."""
+    tmp = path.with_suffix(".new")
+    tmp.write_text(text)
+    tmp.chmod(0o600)
+    os.replace(tmp, path)
+
+
+def _http_client(token: str | None, certs: dict[str, str], name: str) -> HttpHandshakeClient:
+    return HttpHandshakeClient(5, compat(), token, tls=TLSConfig(
+        certs[name], certs[name + ".key"], certs["ca"]))
+
+
+def test_allow_list_rotation_and_audit(tmp_path, peer_certs):
+    tokens, audit = tmp_path / "tokens", tmp_path / "audit.jsonl"
+    _write_tokens(tokens, "# peer: token\ndecode-a:tok-a-1\ndecode-b:tok-b-1\n")
+    cfg = SideChannelConfig.load({
+        "handshake_method": "http", "side_channel_port": 0, "tokens_file": str(tokens),
+        "ssl_certfile": peer_certs["server"], "ssl_keyfile": peer_certs["server.key"],
+        "ssl_ca_certs": peer_certs["ca"], "ssl_cert_reqs": "required",
+        "ssl_allowed_peers": "decode-*.kv.internal", "audit_log": str(audit)}, environ={})
+    server = make_server(cfg, full_store(1))
+    server.start()
+    clients = []
+
+    def client(token: str | None, name: str = "decode-a") -> HttpHandshakeClient:
+        clients.append(_http_client(token, peer_certs, name))
+        return clients[-1]
+
+    try:
+        assert len(client("tok-a-1").fetch(HOST, server.port, 0)) == 1
+        # a valid certificate from the right CA, with a valid token, but not on the list
+        with pytest.raises(HandshakeError, match="not allowed"):
+            client("tok-a-1", "intruder").fetch(HOST, server.port, 0)
+        # rotation without a restart: decode-a's new token works, its old one is refused,
+        # decode-b's (untouched) still works
+        _write_tokens(tokens, "decode-a:tok-a-2\ndecode-b:tok-b-1\n")
+        assert len(client("tok-a-2").fetch(HOST, server.port, 0)) == 1
+        with pytest.raises(AuthError):
+            client("tok-a-1").fetch(HOST, server.port, 0)
+        assert len(client("tok-b-1").fetch(HOST, server.port)) == 1
+        # revoked: decode-b's line removed
+        _write_tokens(tokens, "decode-a:tok-a-2\n")
+        with pytest.raises(AuthError):
+            client("tok-b-1").fetch(HOST, server.port, 0)
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+    lines = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert [(r["token"], r["cert"], r["route"], r["rank"], r["result"]) for r in lines] == [
+        ("decode-a", "decode-a.kv.internal", "handshake_rank", 0, "ok"),
+        (None, "intruder.kv.internal", "handshake_rank", None, "refused 403"),
+        ("decode-a", "decode-a.kv.internal", "handshake_rank", 0, "ok"),
+        (None, "decode-a.kv.internal", "handshake_rank", None, "refused 401"),
+        ("decode-b", "decode-a.kv.internal", "handshake_all", None, "ok"),
+        (None, "decode-a.kv.internal", "handshake_rank", None, "refused 401"),
+    ]
+    assert all(r["peer"].startswith("127.0.0.1:") and r["time"].endswith("Z") for r in lines)
+
+
+@pytest.mark.parametrize("text", ["no-colon-here\n", "a:x\na:y\n", "bad name:x\n", "# only\n"])
+def test_a_bad_tokens_file_is_refused_at_start(tmp_path, text):
+    path = tmp_path / "tokens"
+    _write_tokens(path, text)
+    with pytest.raises(ConfigError, match="tokens"):
+        SideChannelConfig.load({"tokens_file": str(path)}, environ={})
+
+
+def test_an_allow_list_needs_client_certificates():
+    with pytest.raises(ConfigError, match="ssl_cert_reqs"):
+        SideChannelConfig.load({"ssl_allowed_peers": "decode-*"}, environ={})
+
+
+def test_proxy_admin_routes_need_the_admin_token_or_are_off():
+    admin = ("/v1/fleet", "/healthz/backends", "/v1/kv/prewarm", "/metrics")
+    app = build_proxy_app(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], prewarm=False,
+                          admin_token="adm-1")
+    with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url, timeout=10) as c:
+        for path in admin:
+            assert c.get(path).status_code == 401, path
+            assert c.get(path, headers={"authorization": "Bearer nope"}).status_code == 401
+        assert c.get("/v1/fleet", headers={"authorization": "Bearer adm-1"}).status_code == 200
+        assert c.get("/health").status_code == 200  # liveness stays open
+    app = build_proxy_app(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], prewarm=False,
+                          admin_routes="off")
+    with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url, timeout=10) as c:
+        for path in admin:
+            assert c.get(path).status_code in (404, 405), path

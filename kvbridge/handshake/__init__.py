@@ -8,6 +8,7 @@ from zmq import ZMQError  # not `import zmq`: the submodule .zmq would shadow it
 
 from kvbridge.config import SIDE_CHANNEL_PORT_SETTING, SideChannelConfig
 from kvbridge.errors import ConfigError
+from kvbridge.handshake.authz import Authorizer
 from kvbridge.handshake.base import HandshakeClient, HandshakeServer, MetadataStore, Observer
 from kvbridge.handshake.http import HttpHandshakeClient, HttpHandshakeServer
 from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer
@@ -33,7 +34,8 @@ def make_server(config: SideChannelConfig, store: MetadataStore,
             return EtcdHandshakeServer(store, config.registry_endpoint, config.advertised, port)
         if config.handshake_method == "http":
             return HttpHandshakeServer(store, config.side_channel_host, port,
-                                       token=config.token, tls=config.tls, observer=observer)
+                                       token=config.token, tls=config.tls, observer=observer,
+                                       authz=Authorizer.from_config(config))
         if config.tls.enabled:
             log.warning("TLS settings do not apply to the zmq side channel: metadata and token "
                         "travel in clear (use --handshake http for TLS)")

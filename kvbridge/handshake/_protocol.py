@@ -25,6 +25,10 @@ def _reply_431() -> bytes:
 
 _431 = _reply_431()
 
+# The scope key under which a request carries its connection's verified client
+# certificate (``ssl.SSLSocket.getpeercert()``; None without TLS or without one).
+PEER_CERT = "kvbridge.peer_cert"
+
 
 class HeadLimitedHttpTools(HttpToolsProtocol):
     """Refuses a request head over ``head_limit`` bytes: counted as parsed (request target
@@ -74,7 +78,15 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         if not self._refused:  # a refused request never reaches the app
+            self.scope[PEER_CERT] = self._peer_cert()  # type: ignore[literal-required]
             super().on_headers_complete()
+
+    def _peer_cert(self) -> dict | None:
+        if not hasattr(self, "_cert"):
+            ssl_object = None if self.transport is None else \
+                self.transport.get_extra_info("ssl_object")
+            self._cert = None if ssl_object is None else ssl_object.getpeercert()
+        return self._cert
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:

@@ -39,7 +39,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvbridge.config import TLSConfig
 from kvbridge.errors import HandshakeError, HandshakeTimeout, WireFormatError, error_body
 from kvbridge.guard import ConnectionBudget, GuardedServer, guarded_protocol
-from kvbridge.handshake._protocol import HeadLimitedHttpTools
+from kvbridge.handshake._protocol import PEER_CERT, HeadLimitedHttpTools
+from kvbridge.handshake.authz import Authorizer
 from kvbridge.handshake.base import (
     MAX_REQUEST_BYTES,
     HandshakeClient,
@@ -48,34 +49,44 @@ from kvbridge.handshake.base import (
     Observer,
     Reply,
     _Retry,
-    token_ok,
 )
 
 log = logging.getLogger(__name__)
 
 MSGPACK = "application/vnd.msgpack"
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error",
                 413: "invalid_request_error", 503: "server_error"}
 PATH = "/v1/kv/handshake"
 
 
 def build_app(store: MetadataStore, token: str | None,
-              observer: Observer | None = None) -> ASGIApp:
+              observer: Observer | None = None, authz: Authorizer | None = None) -> ASGIApp:
+    """``authz`` (named tokens, certificate allow-list, audit log) decides who may fetch;
+    without it, ``token`` alone does."""
+    if authz is None:
+        authz = Authorizer.token_only(token)
+
     def _error(status: int, message: str) -> JSONResponse:
         return JSONResponse(error_body(message, _ERROR_TYPES.get(status, "server_error")),
                             status_code=status)
 
     async def handshake(request: Request) -> Response:
-        auth = request.headers.get("authorization", "")
-        scheme, _, given = auth.partition(" ")
-        if not token_ok(token, given if scheme.lower() == "bearer" else None):
-            # Same answer for a missing and a wrong token: nothing to probe.
-            return _error(401, "missing or invalid bearer token")
+        decision = authz.decide(request.headers.get("authorization"),
+                                request.scope.get(PEER_CERT))
+        peer = None if request.client is None else f"{request.client.host}:{request.client.port}"
         raw = request.path_params.get("tp_rank")
+        route = _route(request.url.path)
+        if not decision.ok:
+            authz.record(decision, peer, route, None)
+            return _error(decision.status, decision.message)
         if raw is not None and not (raw.isascii() and raw.isdigit() and len(raw) <= 6):
+            authz.record(decision, peer, route, None, "refused 404")
             return _error(404, f"tp_rank must be a non-negative integer, got {raw[:16]!r}")
         tp_rank = None if raw is None else int(raw)
         reply = store.reply(tp_rank)
+        authz.record(decision, peer, route, tp_rank,
+                     "ok" if reply.status == 200 else f"refused {reply.status}")
         if reply.status != 200:
             return _error(reply.status, reply.error)
         if "application/json" in request.headers.get("accept", ""):
@@ -164,8 +175,9 @@ class HttpHandshakeServer(HandshakeServer):
 
     def __init__(self, store: MetadataStore, host: str, port: int, *, token: str | None = None,
                  tls: TLSConfig | None = None, limit_concurrency: int = 2048,
-                 observer: Observer | None = None, budget: ConnectionBudget | None = None):
-        self._app = build_app(store, token, observer)
+                 observer: Observer | None = None, budget: ConnectionBudget | None = None,
+                 authz: Authorizer | None = None):
+        self._app = build_app(store, token, observer, authz)
         self._tls = tls or TLSConfig()
         # Bind now so the port is known (port 0 = ephemeral) and connections that
         # arrive before uvicorn runs wait in the backlog instead of being refused.

@@ -38,7 +38,7 @@ from kvbridge.connector.worker import NixlWorkerConnectorFactory
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.engine import build_engine
 from kvbridge.errors import KVBridgeError, RequestError
-from kvbridge.handshake.base import token_ok
+from kvbridge.handshake.authz import Authorizer, Decision
 from kvbridge.limits import read_json_body
 from kvbridge.metadata import compat_of, decode_rank
 from kvbridge.metrics import CONTENT_TYPE, Metrics
@@ -98,6 +98,7 @@ class Instance:
         self.model_name = opts.served_model_name or model_identity(opts.model)
         identity = model_identity(opts.model)
         self.metrics = Metrics()
+        self._authz = Authorizer.from_config(opts.side_channel)
         self.connector = NixlSchedulerConnector(
             engine_id=self.engine_id, epoch=self.epoch, tp_size=opts.tp_size,
             total_kv_heads=cfg.num_key_value_heads, block_size=opts.block_size,
@@ -191,17 +192,23 @@ class Instance:
                              sc.handshake_method, "side_channel_host": sc.advertised,
                              "side_channel_port": self.side_channel_port})
 
-    def _authorized(self, request: Request) -> bool:
-        """The side-channel token, when the instance has one, guards the KV routes."""
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        return token_ok(self.opts.side_channel.token,
-                        given if scheme.lower() == "bearer" else None)
+    def _authorized(self, request: Request) -> Decision:
+        """The side-channel token (or named tokens), when the instance has one, guards the
+        KV routes; refusals (and releases) go to the audit log, if there is one."""
+        decision = self._authz.decide(request.headers.get("authorization"), None)
+        if not decision.ok:
+            self._audit(request, decision)
+        return decision
+
+    def _audit(self, request: Request, decision: Decision, result: str | None = None) -> None:
+        peer = None if request.client is None else f"{request.client.host}:{request.client.port}"
+        self._authz.record(decision, peer, request.url.path.rsplit("/", 1)[-1], None, result)
 
     async def _kv_release(self, request: Request) -> Response:
         """Free a held request's blocks at once: the decode refused the request or is
         unreachable, so nobody will read them. Body: the ``kv_transfer_params`` this prefill
         returned (only ``remote_engine_id`` and ``remote_request_id`` are used)."""
-        if not self._authorized(request):
+        if not (decision := self._authorized(request)).ok:
             return _error(401, "missing or invalid bearer token (the side-channel token)")
         # Only the two ids are read, as strings: a release must not fail because another
         # field of the params (or the request they came with) is one a decode refused.
@@ -222,12 +229,14 @@ class Instance:
             return _error(409, f"remote_engine_id {shown!r} is not this "
                                f"instance ({self.engine_id})")
         released = self.connector.release(request_id)
+        self._audit(request, decision, f"released {request_id[:128]}" if released
+                    else f"not held {request_id[:128]}")
         if released:
             self.engine.wake()
         return JSONResponse({"released": released})
 
     async def _kv_prewarm(self, request: Request) -> Response:
-        if not self._authorized(request):
+        if not self._authorized(request).ok:
             return _error(401, "missing or invalid bearer token (the side-channel token)")
         try:
             body = json.loads(await read_json_body(request))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 import ssl
@@ -680,6 +681,26 @@ class _Proxy:
         return JSONResponse(body, status_code=200 if healthy else 503)
 
 
+ADMIN_ROUTES = ("open", "off")
+
+
+def _admin_only(handler: Callable[[Request], Coroutine[Any, Any, Response]],
+                token: str | None) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+    """``handler`` behind ``Authorization: Bearer <token>`` (as is, without a token)."""
+    if token is None:
+        return handler
+
+    async def guarded(request: Request) -> Response:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(),
+                                                                 token.encode()):
+            return _error(401, "this route needs the proxy's admin token (--admin-token-file)",
+                          "authentication_error")
+        return await handler(request)
+
+    return guarded
+
+
 def build_proxy_app(
     prefill_urls: list[str],
     decode_urls: list[str],
@@ -693,6 +714,8 @@ def build_proxy_app(
     registry: EtcdEndpoint | None = None,
     routing: str = "least-outstanding",
     prefill_timeout: float | None = None,
+    admin_token: str | None = None,
+    admin_routes: str = "open",
 ) -> Starlette:
     """The P/D proxy as a Starlette app.
 
@@ -705,6 +728,10 @@ def build_proxy_app(
     every decode, at start-up, to handshake with every prefill (``kv_token``: the
     side-channel token the decodes require for that). ``prefill_timeout`` bounds the
     prefill hop alone (default: ``timeout``): past it the client gets a 504 saying so.
+
+    The admin routes (``/v1/fleet``, ``/healthz/backends``, ``GET /v1/kv/prewarm``,
+    ``/metrics``) need ``Authorization: Bearer <admin_token>`` when ``admin_token`` is
+    given; ``admin_routes="off"`` leaves them out of the app.
     """
     router = Router(routing)
     router.add_static("prefill", _check_urls("prefill", prefill_urls, registry is not None))
@@ -729,11 +756,16 @@ def build_proxy_app(
         Route(_CHAT, proxy.completions_endpoint(_CHAT), methods=["POST"]),
         Route("/v1/models", proxy.models, methods=["GET"]),
         Route("/health", proxy.health, methods=["GET"]),
-        Route("/healthz/backends", proxy.backends_health, methods=["GET"]),
-        Route("/v1/kv/prewarm", proxy.prewarm_status, methods=["GET"]),
-        Route("/metrics", proxy.metrics, methods=["GET"]),
-        Route("/v1/fleet", proxy.fleet, methods=["GET"]),
     ]
+    if admin_routes not in ADMIN_ROUTES:
+        raise ConfigError(f"admin routes {admin_routes!r}: use one of {ADMIN_ROUTES}")
+    if admin_routes != "off":
+        # What the fleet looks like, and the proxy's counters: for operators, not users.
+        routes += [Route(path, _admin_only(handler, admin_token), methods=["GET"])
+                   for path, handler in (("/healthz/backends", proxy.backends_health),
+                                         ("/v1/kv/prewarm", proxy.prewarm_status),
+                                         ("/metrics", proxy.metrics),
+                                         ("/v1/fleet", proxy.fleet))]
     app = Starlette(routes=routes, lifespan=proxy.lifespan)
     app.state.proxy = proxy
     return app
@@ -757,6 +789,8 @@ def run_proxy(
     registry: EtcdEndpoint | None = None,
     routing: str = "least-outstanding",
     prefill_timeout: float | None = None,
+    admin_token: str | None = None,
+    admin_routes: str = "open",
 ) -> None:
     """Serve the proxy with uvicorn until interrupted.
 
@@ -774,6 +808,8 @@ def run_proxy(
         registry=registry,
         routing=routing,
         prefill_timeout=prefill_timeout,
+        admin_token=admin_token,
+        admin_routes=admin_routes,
     )
     scheme = "https" if ssl_certfile else "http"
     print(
