@@ -103,13 +103,14 @@ def error_response(status: int, message: str, param: str | None = None,
 # -- the app -------------------------------------------------------------------------------
 
 def build_app(engine_client: AsyncEngine, model_name: str, *,
-              shutdown_engine_on_exit: bool = False) -> Starlette:
-    """The API app over a running ``AsyncEngine``, serving it as model ``model_name``.
+              shutdown_engine_on_exit: bool = False, root: str | None = None) -> Starlette:
+    """The API app over a running ``AsyncEngine``, serving it as model ``model_name``
+    (``root``: what the name stands for, listed as vLLM does; default ``model_name``).
 
     With ``shutdown_engine_on_exit`` the engine (and its workers) stop when the
     app's lifespan ends.
     """
-    api = _API(engine_client, model_name)
+    api = _API(engine_client, model_name, root)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -139,9 +140,10 @@ def _endpoint(handler: Callable[[Request], Awaitable[Response]]
 
 
 class _API:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, root: str | None = None):
         self.engine = engine
         self.model_name = model_name
+        self.root = root or model_name
         self.created = int(time.time())
 
     async def health(self, request: Request) -> Response:
@@ -156,7 +158,8 @@ class _API:
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "kvbridge", "max_model_len": self.engine.max_model_len}]})
+            "owned_by": "kvbridge", "root": self.root, "parent": None,
+            "max_model_len": self.engine.max_model_len}]})
 
     # A request refused with a 4xx does not release the prefill's hold its params name:
     # nothing proves the params are the caller's (any client could name another request's

@@ -75,6 +75,15 @@ class InstanceOptions:
             raise ValueError(f"role {self.role!r}: use one of {ROLES}")
 
 
+def served_model_name(model: str | None, served_model_name: str | None = None) -> str:
+    """The name ``/v1/models`` lists and requests use, as in vLLM: ``--served-model-name``,
+    else ``--model`` exactly as given, else the built-in model's name. Only a label: the
+    KV compatibility check uses ``model_identity``."""
+    if served_model_name:
+        return served_model_name
+    return "kvbridge-tiny" if model is None else str(model)
+
+
 def model_identity(model: str | None) -> str:
     """What must be equal for two instances to share KV: the weights' identity.
 
@@ -95,7 +104,7 @@ class Instance:
         self.engine_id = opts.engine_id or uuid.uuid4().hex
         self.epoch = uuid.uuid4().hex  # new on every start: peers notice restarts
         cfg = load_config(opts.model)
-        self.model_name = opts.served_model_name or model_identity(opts.model)
+        self.model_name = served_model_name(opts.model, opts.served_model_name)
         identity = model_identity(opts.model)
         self.metrics = Metrics()
         self._authz = Authorizer.from_config(opts.side_channel)
@@ -134,7 +143,7 @@ class Instance:
             raise
         self.metrics.track_blocks(lambda: engine.num_free_blocks, engine.num_blocks)
         self.engine = AsyncEngine(engine, phase_observer=self.metrics.observe_phases)
-        self.app: Starlette = build_app(self.engine, self.model_name)
+        self.app: Starlette = build_app(self.engine, self.model_name, root=identity)
         routes = [Route("/metrics", self._metrics, methods=["GET"])]
         if opts.role in ("prefill", "both"):
             routes.append(Route("/v1/kv/info", self._kv_info, methods=["GET"]))
