@@ -122,9 +122,36 @@ class KVBridgeScheduler(NixlPullConnectorScheduler):
                  "%d rank(s)", server.method, sc.side_channel_host, server.port,
                  self.side_channel_host, server.port, self.engine_id, self.kvbridge_epoch,
                  len(encoded_data))
+        try:
+            registrar = self._kvbridge_register(encoded_data, server.port)
+        except BaseException as e:  # as above: say why in the caller, never hang it
+            self._kvbridge_error = e
+            server.stop()
+            ready_event.set()
+            return
         ready_event.set()
         stop_event.wait()
+        if registrar is not None:  # withdrawn before the side channel goes
+            registrar.deregister()
         server.stop()
+
+    def _kvbridge_register(self, encoded_data: dict[Rank, bytes], port: int):
+        """With ``api_url`` (and a ``registry``): this instance's record in etcd, kept under
+        a lease (the record ``kvbridge serve --registry`` writes, with vLLM's compatibility
+        hash); etcd down at start-up or later only delays it (the registrar retries)."""
+        reg = self.kvbridge_settings.registration
+        if reg is None:
+            return None
+        from kvbridge.vllm.registration import instance_record, start_registration
+
+        sc = self.kvbridge_settings.side_channel
+        first = _payload_decoder.decode(next(iter(encoded_data.values())))
+        record = instance_record(
+            reg, sc, engine_id=self.engine_id, epoch=self.kvbridge_epoch,
+            tp_size=self.transfer_tp_size, compat_hash=first.compatibility_hash,
+            model=self.vllm_config.model_config.served_model_name or "", side_channel_port=port)
+        log.info("kvbridge: registering %s (%s) in %s", reg.api_url, reg.role, sc.registry)
+        return start_registration(reg, sc, record)
 
     def _kvbridge_make_server(self, payloads: dict[Rank, bytes], port: int) -> HandshakeServer:
         sc = self.kvbridge_settings.side_channel

@@ -90,8 +90,11 @@ def run_vllm_demo(questions: list[str] | None = None, max_tokens: int = 32) -> i
         proxy_proc = None
         try:
             for core, role in enumerate(("prefill", "decode")):
+                # No prefix cache: the decode's own answer ("= local") is computed, never
+                # read from blocks an earlier question brought over.
                 servers[role] = VllmServer.start(model, name=role, log_dir=tmp, core=core,
-                                                 connector="kvbridge", extra_config=side)
+                                                 connector="kvbridge", extra_config=side,
+                                                 extra_args=["--no-enable-prefix-caching"])
             print(f"kvbridge demo --engine vllm: model {model}\n  vLLM prefill on "
                   f"{servers['prefill'].url} (side channel https://127.0.0.1:"
                   f"{servers['prefill'].side_channel_port}, token), vLLM decode on "

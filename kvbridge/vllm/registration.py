@@ -4,7 +4,8 @@ hash. No vLLM import here.
 
 vLLM's engine core, where the plug-in's scheduler side runs, does not know the address of
 its own API server, so the record's ``api_url`` comes from ``kv_connector_extra_config``
-(``api_url``), as do the instance's ``role`` and the lease's ``registry_ttl``.
+(``api_url``: setting it turns registration on), as do the instance's ``role`` (default
+``both``) and the lease's ``registry_ttl`` (default 10 s).
 """
 
 from __future__ import annotations
@@ -31,17 +32,23 @@ class RegistrationSettings:
 
 def registration_settings(extra: Mapping[str, Any], side: SideChannelConfig
                           ) -> RegistrationSettings | None:
-    """What to register, or None without a ``registry``; ``ConfigError`` in one line."""
-    if side.registry is None:
+    """What to register (``api_url`` given), or None; ``ConfigError`` in one line.
+
+    A ``registry`` alone does not register: the ``etcd`` handshake method uses it too.
+    """
+    url = extra.get("api_url")
+    if url is None:
         stray = sorted(k for k in REGISTRATION_KEYS if k in extra)
         if stray:
-            raise ConfigError(f"kvbridge.vllm: {stray} need a registry (registry: "
-                              "etcd://HOST:PORT)")
+            raise ConfigError(f"kvbridge.vllm: {stray} register this instance and need "
+                              "api_url (the URL of this vLLM server's API as clients reach it)")
         return None
-    url = extra.get("api_url")
+    if side.registry is None:
+        raise ConfigError("kvbridge.vllm: api_url registers this instance and needs a "
+                          "registry (etcd://HOST:PORT)")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ConfigError("kvbridge.vllm: registry needs api_url, the URL of this vLLM "
-                          f"server's API as clients reach it (got {url!r})")
+        raise ConfigError(f"kvbridge.vllm: api_url {url!r}: an http:// or https:// URL of this "
+                          "vLLM server's API as clients reach it")
     role = extra.get("role", "both")
     if role not in ROLES:
         raise ConfigError(f"kvbridge.vllm: role {role!r}: use one of {ROLES}")

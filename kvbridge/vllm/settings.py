@@ -15,6 +15,11 @@ from typing import Any
 
 from kvbridge.config import SideChannelConfig
 from kvbridge.errors import ConfigError
+from kvbridge.vllm.registration import (
+    REGISTRATION_KEYS,
+    RegistrationSettings,
+    registration_settings,
+)
 
 # The vLLM versions the plug-in is tested with: [low, high).
 TESTED_VLLM = ((0, 32), (0, 33))
@@ -43,9 +48,11 @@ def check_vllm_version(version: str) -> None:
 
 @dataclass(frozen=True)
 class PluginSettings:
-    """The side channel's settings for one vLLM instance."""
+    """The side channel's settings for one vLLM instance, and its registration (with a
+    ``registry``; see kvbridge.vllm.registration)."""
 
     side_channel: SideChannelConfig
+    registration: RegistrationSettings | None = None
 
     @property
     def method(self) -> str:
@@ -60,7 +67,8 @@ def load_settings(extra: Mapping[str, Any] | None, dp_index: int = 0,
     does (port 0 stays ephemeral).
     """
     extra = dict(extra or {})
-    unknown = sorted(k for k in extra if k not in OUR_KEYS and k not in VLLM_NIXL_KEYS)
+    unknown = sorted(k for k in extra
+                     if k not in OUR_KEYS | VLLM_NIXL_KEYS | REGISTRATION_KEYS)
     if unknown:
         raise ConfigError(f"kvbridge.vllm: unknown kv_connector_extra_config key(s) {unknown}: "
                           f"use the setting names of docs/configuration.md")
@@ -83,4 +91,4 @@ def load_settings(extra: Mapping[str, Any] | None, dp_index: int = 0,
             raise ConfigError(f"kvbridge.vllm: side channel port {cfg.side_channel_port} + "
                               f"data-parallel index {dp_index} is out of range")
         cfg = replace(cfg, side_channel_port=port)
-    return PluginSettings(cfg)
+    return PluginSettings(cfg, registration_settings(extra, cfg))

@@ -55,7 +55,10 @@ def instances(etcd: EtcdProcess, token_file, tmp_path_factory: pytest.TempPathFa
             port = free_port()
             procs[role] = VllmServer.start(
                 model, name=f"plugin-{role}", log_dir=logs, core=core, port=port,
-                connector="kvbridge", extra_config={
+                connector="kvbridge",
+                # Without a prefix cache the decode's own answer is computed, never read
+                # from blocks an earlier P/D request brought over.
+                extra_args=["--no-enable-prefix-caching"], extra_config={
                     "handshake_method": "http", "token_file": str(token_file),
                     "registry": etcd.url, "role": role,
                     "api_url": f"http://127.0.0.1:{port}"})
