@@ -222,6 +222,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=24)
     d.add_argument("--decode-tp", type=int, default=2)
     d.add_argument("--handshake", choices=["zmq", "http"], default="http")
+    d.add_argument("--engine", choices=["kvbridge", "vllm"], default="kvbridge",
+                   help="vllm: two vLLM servers with the KVBridgeConnector plug-in (needs "
+                   "vLLM; see docs/vllm.md) behind kvbridge's proxy")
 
     m = sub.add_parser("model", help="trained models shipped in packages: prepare, list")
     msub = m.add_subparsers(dest="model_command", required=True)
@@ -448,6 +451,10 @@ def _proxy(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from kvbridge.vllm.demo import run_vllm_demo
+
+        return run_vllm_demo(questions=args.prompts, max_tokens=args.max_tokens)
     from kvbridge.demo import run_demo
 
     return run_demo(prompts=args.prompts, max_tokens=args.max_tokens, decode_tp=args.decode_tp,
