@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.vllm.launch import VllmServer
+from kvbridge.vllm.launch import VllmServer, completion
 
 # Over 16 tokens: the decode reads whole KV blocks, not only a partial one.
 PROMPT = ("Question: What is the capital of France, and which river flows through it? "
           "Answer in one sentence.\nAnswer:")
 MAX_TOKENS = 12
 START_TIMEOUT = 900.0  # two cores shared by every server a module starts
+REQUEST_TIMEOUT = 600.0  # a busy 2-core machine: one request can wait minutes for a core
 # Decodes without a prefix cache: every P/D of the same prompt reads the KV again.
 NO_PREFIX_CACHE = ["--no-enable-prefix-caching"]
 
@@ -32,6 +33,8 @@ def running(*servers: VllmServer) -> Iterator[tuple[VllmServer, ...]]:
     try:
         for s in servers:
             s.wait_healthy(START_TIMEOUT)
+        for s in servers:  # the first request of a server is much slower than the next
+            completion(s.url, "Hello", max_tokens=1, timeout=START_TIMEOUT).raise_for_status()
         yield servers
     finally:
         for s in servers:
@@ -41,3 +44,10 @@ def running(*servers: VllmServer) -> Iterator[tuple[VllmServer, ...]]:
 def nixl_bytes(server: VllmServer) -> float:
     """Bytes the server's NIXL READs moved so far (vLLM's own metric)."""
     return server.metrics().get("vllm:nixl_bytes_transferred_sum", 0.0)
+
+
+def answer(server: VllmServer, prompt: str = PROMPT) -> str:
+    """The server's greedy text for ``prompt``, computed without any KV transfer."""
+    r = completion(server.url, prompt, max_tokens=MAX_TOKENS, timeout=REQUEST_TIMEOUT)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]

@@ -181,3 +181,39 @@ def test_vllm_version_outside_the_tested_range_is_refused():
     for v in ("0.31.9", "0.33.0", "1.0.0"):
         with pytest.raises(ConfigError, match=r"outside the tested range vllm>=0\.32\.0,<0\.33"):
             check_vllm_version(v)
+
+
+def test_payloads_over_etcd_and_a_restarted_publisher(etcd):
+    """The etcd method: payloads published under a lease; a publisher restarted under the
+    same name with a new engine id is waited for (a stale record is not taken)."""
+    from kvbridge.handshake.etcd import EtcdHandshakeClient, EtcdHandshakeServer
+    from kvbridge.registry import parse_registry_url
+
+    endpoint = parse_registry_url(etcd.url)
+    port = free_port()
+
+    def publish(engine: str, epoch: str) -> EtcdHandshakeServer:
+        store = PayloadStore(KIND, engine, epoch, tp_size=1)
+        store.set_payloads({(0, 0): engine.encode()})
+        server = EtcdHandshakeServer(store, endpoint, "127.0.0.1", port)
+        server.start()
+        assert server.published.wait(10)
+        return server
+
+    client = EtcdHandshakeClient(5.0, None, endpoint=endpoint)
+    first = publish("engine-a", "epoch-1")
+    try:
+        got = fetch_payloads(client, KIND, "127.0.0.1", port, [(0, 0)],
+                             expected_engine_id="engine-a", wait_for_engine=True)
+        assert (got.epoch, got.payloads) == ("epoch-1", {(0, 0): b"engine-a"})
+        assert abs(got.clock_offset) < 1.0
+    finally:
+        first.stop()
+    second = publish("engine-b", "epoch-2")
+    try:
+        got = fetch_payloads(client, KIND, "127.0.0.1", port, [(0, 0)],
+                             expected_engine_id="engine-b", wait_for_engine=True)
+        assert (got.engine_id, got.epoch) == ("engine-b", "epoch-2")
+    finally:
+        second.stop()
+        client.close()

@@ -1,0 +1,99 @@
+"""The plug-in's zmq method speaks vLLM 0.32's own zmq handshake: plug-in and stock
+NixlConnector instances read from each other (a rolling migration). Three vLLM servers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from kvbridge.vllm.launch import VllmServer, decode, prefill
+from tests.vllm.conftest import (
+    MAX_TOKENS,
+    NO_PREFIX_CACHE,
+    PROMPT,
+    REQUEST_TIMEOUT,
+    answer,
+    nixl_bytes,
+    running,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+@pytest.fixture(scope="module")
+def servers(model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Three instances, each both prefill and decode (kv_both): two plug-ins and a stock
+    NixlConnector. No prefix cache: every P/D of the same prompt reads the KV again."""
+    d = tmp_path_factory.mktemp("vllm-zmq")
+    zmq_cfg = {"handshake_method": "zmq"}
+    plug_a = VllmServer.start(model, name="plugin-a", core=0, log_dir=d, extra_config=zmq_cfg,
+                              extra_args=NO_PREFIX_CACHE)
+    stock = VllmServer.start(model, name="stock", connector="nixl", core=1, log_dir=d,
+                             extra_args=NO_PREFIX_CACHE)
+    plug_b = VllmServer.start(model, name="plugin-b", core=1, log_dir=d, extra_config=zmq_cfg,
+                              extra_args=NO_PREFIX_CACHE)
+    with running(plug_a, stock, plug_b):
+        yield {"plugin-a": plug_a, "stock": stock, "plugin-b": plug_b}
+
+
+@pytest.fixture(scope="module")
+def expected(servers) -> str:
+    """The text computed without any KV transfer (an instance asked directly)."""
+    return answer(servers["stock"])
+
+
+def _pd(p: VllmServer, d: VllmServer, attempts: int = 1):
+    params = prefill(p.url, PROMPT, REQUEST_TIMEOUT)
+    assert params["remote_port"] == p.side_channel_port
+    before = nixl_bytes(d)
+    for attempt in range(attempts):
+        r = decode(d.url, PROMPT, params, max_tokens=MAX_TOKENS, timeout=REQUEST_TIMEOUT)
+        if r.status_code == 200 or attempt == attempts - 1:
+            break
+        params = prefill(p.url, PROMPT, REQUEST_TIMEOUT)
+    return r, nixl_bytes(d) - before
+
+
+@pytest.mark.parametrize("pair", [("plugin-a", "plugin-b"), ("stock", "plugin-a"),
+                                  ("plugin-a", "stock")],
+                         ids=["plugin-to-plugin", "stock-to-plugin", "plugin-to-stock"])
+def test_pd_over_vllms_own_zmq_wire(servers, expected, pair):
+    p, d = servers[pair[0]], servers[pair[1]]
+    # A stock decode waits a fixed 5 s for the handshake reply; on a starved machine its
+    # own process can miss that (vLLM then fails the request): one more request then.
+    r, read = _pd(p, d, attempts=2 if pair[1] == "stock" else 1)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected
+    assert read > 0  # read over NIXL, not recomputed
+
+
+def test_plugin_listener_survives_what_kills_vllms_own(servers, expected):
+    """A malformed request, an unknown rank and an oversized message: the plug-in's
+    listener answers or drops that peer and keeps serving."""
+    p = servers["plugin-a"]
+    ctx = zmq.Context.instance()
+    addr = f"tcp://127.0.0.1:{p.side_channel_port}"
+
+    def ask(frames: list[bytes], wait_ms: int) -> list[bytes] | None:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(addr)
+            sock.send_multipart(frames)
+            return sock.recv_multipart() if sock.poll(wait_ms) else None
+        finally:
+            sock.close(linger=0)
+
+    assert ask([b"", b"\xc1not msgpack"], 1000) is None  # not vLLM's wire: no answer
+    assert ask([b"", b"x" * (64 * 1024)], 1000) is None  # over 16 KiB: dropped
+    # An unknown rank (vLLM's own listener dies on the KeyError): an empty payload, at once.
+    reply = ask([b"", msgspec.msgpack.encode((b"get_meta_msg", 0, 7))], 60_000)
+    assert reply is not None and reply[:2] == [b"", b""]
+    params = prefill(p.url, PROMPT, REQUEST_TIMEOUT)
+    r = decode(servers["plugin-b"].url, PROMPT, params, max_tokens=MAX_TOKENS,
+               timeout=REQUEST_TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected
