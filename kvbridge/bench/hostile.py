@@ -8,6 +8,13 @@ handshakes during it, and the prefill's resident memory before, at the peak and 
 * ``mtls_flood``: N mutual-TLS connections with a valid client certificate, then idle.
 * ``slowloris``: N connections each sending a request head that never ends.
 * ``zmq_endless``: one multipart message of 16 KB frames that never ends.
+
+And one attack on the serving path (a prefill, a decode and ``kvbridge proxy``):
+
+* ``pinning_flood``: requests through the proxy, each with a 300-character
+  ``x-request-id``: the prefill's free blocks right after them, how long they take to
+  come back, and a legitimate request's latency just after (docs/security.md, "Trust
+  boundaries").
 """
 
 from __future__ import annotations
@@ -41,6 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--handshakes", type=int, default=20, help="real handshakes timed during each attack"
+    )
+    p.add_argument(
+        "--pinning-only", action="store_true",
+        help="run the pinning flood alone (a prefill, a decode and a proxy; no flood)",
+    )
+    p.add_argument(
+        "--pinning-requests", type=int, default=20,
+        help="requests of the pinning flood (300-character x-request-id) through the proxy",
     )
     p.add_argument(
         "--frames",
@@ -208,7 +223,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "plain": ["--handshake", "http"],
             "mtls": ["--handshake", "http", *tls],
             "zmq": ["--handshake", "zmq"],
+            "pin-p": ["--handshake", "http"],
+            "pin-d": ["--handshake", "http", "--role", "decode"],
         }
+        if args.pinning_only:
+            specs = {k: v for k, v in specs.items() if k.startswith("pin-")}
         ports = {k: free_port() for k in specs}
         procs = {
             k: KVBridgeProcess(f"hostile-{k}", tmp, "serve", "--port", str(ports[k]), *side, *a)
@@ -224,79 +243,118 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for k, p in procs.items():
                 v = verify if k == "mtls" else True
                 p.wait_healthy(urls[k] + "/health", deadline, v)
+                if k.startswith("pin-"):
+                    continue
                 sides[k] = httpx.get(urls[k] + "/v1/kv/info", verify=v, timeout=30).json()[
                     "side_channel_port"
                 ]
-            client_tls = TLSConfig(
-                str(certs / "client.pem"), str(certs / "client.key"), str(certs / "ca.pem")
-            )
-            plain = HttpHandshakeClient(10, None, token)
-            mtls = HttpHandshakeClient(10, None, token, tls=client_tls)
-            zmq_client = ZmqHandshakeClient(10, None, token)
-            n = args.connections
+            attacks: dict[str, Any] = {}
+            if not args.pinning_only:
+                client_tls = TLSConfig(
+                    str(certs / "client.pem"), str(certs / "client.key"), str(certs / "ca.pem")
+                )
+                plain = HttpHandshakeClient(10, None, token)
+                mtls = HttpHandshakeClient(10, None, token, tls=client_tls)
+                zmq_client = ZmqHandshakeClient(10, None, token)
+                n = args.connections
 
-            def idle() -> list[socket.socket]:
-                return [socket.create_connection((HOST, sides["plain"])) for _ in range(n)]
+                def idle() -> list[socket.socket]:
+                    return [socket.create_connection((HOST, sides["plain"])) for _ in range(n)]
 
-            def slowloris() -> list[socket.socket]:
-                socks = idle()
-                for s in socks:
-                    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-a: ")
-                return socks
+                def slowloris() -> list[socket.socket]:
+                    socks = idle()
+                    for s in socks:
+                        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-a: ")
+                    return socks
 
-            ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
-            ctx.load_cert_chain(str(certs / "client.pem"), str(certs / "client.key"))
+                ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+                ctx.load_cert_chain(str(certs / "client.pem"), str(certs / "client.key"))
 
-            def tls_idle() -> list[socket.socket]:
-                return [
-                    ctx.wrap_socket(
-                        socket.create_connection((HOST, sides["mtls"])), server_hostname=HOST
-                    )
-                    for _ in range(n)
-                ]
+                def tls_idle() -> list[socket.socket]:
+                    return [
+                        ctx.wrap_socket(
+                            socket.create_connection((HOST, sides["mtls"])), server_hostname=HOST
+                        )
+                        for _ in range(n)
+                    ]
 
-            pid = {k: p.proc.pid for k, p in procs.items()}
-            attacks = {
-                "idle_flood": _attack(
-                    "idle_flood",
-                    pid["plain"],
-                    sides["plain"],
-                    idle,
-                    lambda: plain.fetch(HOST, sides["plain"]),
-                    args.handshakes,
-                ),
-                "mtls_flood": _attack(
-                    "mtls_flood",
-                    pid["mtls"],
-                    sides["mtls"],
-                    tls_idle,
-                    lambda: mtls.fetch(HOST, sides["mtls"]),
-                    args.handshakes,
-                ),
-                "slowloris": _attack(
-                    "slowloris",
-                    pid["plain"],
-                    sides["plain"],
-                    slowloris,
-                    lambda: plain.fetch(HOST, sides["plain"]),
-                    args.handshakes,
-                ),
-                "zmq_endless": _zmq_endless(
-                    pid["zmq"],
-                    sides["zmq"],
-                    args.frames,
-                    lambda: zmq_client.fetch(HOST, sides["zmq"]),
-                    args.handshakes,
-                ),
-            }
-            for c in (plain, mtls, zmq_client):
-                c.close()
+                pid = {k: p.proc.pid for k, p in procs.items()}
+                attacks = {
+                    "idle_flood": _attack(
+                        "idle_flood",
+                        pid["plain"],
+                        sides["plain"],
+                        idle,
+                        lambda: plain.fetch(HOST, sides["plain"]),
+                        args.handshakes,
+                    ),
+                    "mtls_flood": _attack(
+                        "mtls_flood",
+                        pid["mtls"],
+                        sides["mtls"],
+                        tls_idle,
+                        lambda: mtls.fetch(HOST, sides["mtls"]),
+                        args.handshakes,
+                    ),
+                    "slowloris": _attack(
+                        "slowloris",
+                        pid["plain"],
+                        sides["plain"],
+                        slowloris,
+                        lambda: plain.fetch(HOST, sides["plain"]),
+                        args.handshakes,
+                    ),
+                    "zmq_endless": _zmq_endless(
+                        pid["zmq"],
+                        sides["zmq"],
+                        args.frames,
+                        lambda: zmq_client.fetch(HOST, sides["zmq"]),
+                        args.handshakes,
+                    ),
+                }
+                for c in (plain, mtls, zmq_client):
+                    c.close()
+            proxy_port = free_port()
+            procs["proxy"] = KVBridgeProcess(
+                "hostile-proxy", tmp, "proxy", "--port", str(proxy_port), "--prefill",
+                urls["pin-p"], "--decode", urls["pin-d"], "--kv-token-file", str(tmp / "token"))
+            procs["proxy"].wait_healthy(f"http://{HOST}:{proxy_port}/health",
+                                        time.monotonic() + START_TIMEOUT)
+            pinning = _pinning_flood(f"http://{HOST}:{proxy_port}", urls["pin-p"],
+                                     args.pinning_requests)
         finally:
             for p in procs.values():
                 p.stop()
+    goals = [] if args.pinning_only else _flood_goals(attacks)
+    goals.append({
+        "goal": "pinning flood: the prefill's blocks back within 5 s (not at the 30 s lease), "
+                "every request served",
+        "value": f"{pinning['free_blocks_after_flood']:.0f} of {pinning['free_blocks_before']:.0f}"
+                 f" free right after, all back in {pinning['blocks_back_s']:.2f} s; statuses "
+                 f"{pinning['statuses']}",
+        "reached": pinning["blocks_back_s"] < 5 and set(pinning["statuses"]) == {"200"},
+    })
+    return {
+        "config": {
+            "connections": args.connections,
+            "handshakes": args.handshakes,
+            "frames": args.frames,
+            "pinning_requests": args.pinning_requests,
+            "pinning_only": args.pinning_only,
+            "quick": args.quick,
+        },
+        "load_before": load_before,
+        "load_after": load_average(),
+        "attacks": attacks,
+        "pinning_flood": pinning,
+        "goals": goals,
+    }
+
+
+def _flood_goals(attacks: dict[str, Any]) -> list[dict[str, Any]]:
     floods = [attacks[k] for k in ("idle_flood", "mtls_flood", "slowloris")]
     z = attacks["zmq_endless"]["rss_mib"]
-    goals = [
+    return [
         {
             "goal": f"every real handshake under a flood within {HANDSHAKE_GOAL_S:g} s",
             "value": f"max {max(a['handshake_max_ms'] for a in floods):.0f} ms, "
@@ -312,18 +370,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "reached": z["peak"] - z["before"] < RSS_BOUND_MIB,
         },
     ]
-    return {
-        "config": {
-            "connections": args.connections,
-            "handshakes": args.handshakes,
-            "frames": args.frames,
-            "quick": args.quick,
-        },
-        "load_before": load_before,
-        "load_after": load_average(),
-        "attacks": attacks,
-        "goals": goals,
-    }
+
+
+PINNING_PROMPT = "A long prompt fills many blocks of the prefill's KV cache, on purpose. " * 14
+
+
+def _pinning_flood(proxy: str, prefill: str, n: int) -> dict[str, Any]:
+    """``n`` requests with a 300-character request id through the proxy, one after the
+    other; then the prefill's free blocks, and a legitimate request's latency."""
+    import httpx
+
+    from kvbridge.launch import read_metric
+
+    body = {"model": "kvbridge-tiny", "prompt": PINNING_PROMPT, "max_tokens": 2,
+            "temperature": 0}
+    with httpx.Client(timeout=120, trust_env=False) as c:
+        def free() -> float:
+            return read_metric(c, prefill, "kvbridge_blocks_free")
+
+        def legit() -> float:
+            t0 = time.monotonic()
+            r = c.post(proxy + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return time.monotonic() - t0
+
+        legit_before = min(legit() for _ in range(3))  # the first one pays the handshake
+        t0 = time.monotonic()
+        while read_metric(c, prefill, "kvbridge_held_requests") and time.monotonic() - t0 < 40:
+            time.sleep(0.05)  # their READs' releases
+        before = free()
+        statuses = []
+        for i in range(n):
+            r = c.post(proxy + "/v1/completions", json=body,
+                       headers={"x-request-id": f"{i:04d}" * 75})
+            statuses.append(str(r.status_code))
+        after = free()
+        t0 = time.monotonic()
+        legit_after = legit()  # right after the flood, whatever it left held
+        while free() < before and time.monotonic() - t0 < 40:  # the lease is 30 s
+            time.sleep(0.05)
+        back = time.monotonic() - t0
+        non_ascii = c.post(proxy + "/v1/completions", json=body,
+                           headers={"x-request-id": "r\u00e9q".encode()}).status_code
+    return {"requests": n, "free_blocks_before": before, "free_blocks_after_flood": after,
+            "blocks_back_s": back, "statuses": sorted(set(statuses)),
+            "legit_request_s": {"before": legit_before, "after": legit_after},
+            "non_ascii_id_status": non_ascii}
 
 
 def summary(r: dict[str, Any]) -> str:
@@ -341,6 +433,14 @@ def summary(r: dict[str, Any]) -> str:
             f"RSS MiB {rss['before']:.0f} -> peak {rss['peak']:.0f} -> "
             f"{rss['after']:.0f}"
         )
+    if (pin := r.get("pinning_flood")) is not None:
+        lines.append(
+            f"pinning_flood {pin['requests']} requests (300-char x-request-id): statuses "
+            f"{pin['statuses']}, prefill free blocks {pin['free_blocks_before']:.0f} -> "
+            f"{pin['free_blocks_after_flood']:.0f} right after, back in "
+            f"{pin['blocks_back_s']:.2f} s; a legitimate request {pin['legit_request_s']['before']:.2f}"
+            f" s before, {pin['legit_request_s']['after']:.2f} s right after; non-ASCII id: "
+            f"{pin['non_ascii_id_status']}")
     from kvbridge.bench.report import goal_lines
 
     return "\n".join(lines + goal_lines(r))
@@ -349,6 +449,18 @@ def summary(r: dict[str, Any]) -> str:
 def plot(r: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     names = list(r["attacks"])
+    if not names:  # --pinning-only: the prefill's free blocks
+        pin = r["pinning_flood"]
+        fig, ax = plt.subplots(figsize=(5, 4))
+        ax.bar(["before", "right after"], [pin["free_blocks_before"],
+                                           pin["free_blocks_after_flood"]])
+        ax.set_ylabel("prefill free KV blocks")
+        ax.set_title(f"pinning flood ({pin['requests']} requests), back in "
+                     f"{pin['blocks_back_s']:.2f} s")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     xs = range(len(names))
     for off, q in ((-0.2, "p50"), (0.2, "p99")):

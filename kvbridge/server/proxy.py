@@ -294,6 +294,7 @@ class _Proxy:
             view["registry"] = {"url": m.registry.endpoint.url, "connected": m.connected.is_set(),
                                 "reads": m.registry.reads, "writes": m.registry.writes,
                                 "events": m.events}
+        view["background_down"] = background.down()  # supervised threads waiting to restart
         return JSONResponse(view)
 
     @property
