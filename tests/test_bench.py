@@ -162,10 +162,13 @@ def test_without_matplotlib_the_json_is_still_written(tmp_path):
 
 
 def test_hostile(tmp_path):
-    d = _run("hostile", tmp_path)
+    d = _run("hostile", tmp_path, timeout=300)  # five engines and a proxy start
     _goals(d)
     for name in ("idle_flood", "mtls_flood", "slowloris", "zmq_endless"):
         a = d["attacks"][name]
         assert a["handshakes_failed"] == 0, (name, a)
         _positive(a["handshake_ms"]["p50"], a["rss_mib"]["before"], a["rss_mib"]["after"])
     assert d["attacks"]["zmq_endless"]["dropped"] is True
+    pin = d["pinning_flood"]  # served, and the prefill's blocks not held
+    assert pin["statuses"] == ["200"] and pin["non_ascii_id_status"] == 200
+    assert pin["blocks_back_s"] < 5  # not at the 30 s lease

@@ -67,6 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _quick(args: argparse.Namespace) -> None:
     args.connections, args.handshakes, args.frames = 200, 5, 2000
+    args.pinning_requests = 5
 
 
 def _certs(d: Path) -> Path:
