@@ -45,6 +45,7 @@ from zmq import ZMQError
 
 from kvbridge.config import SIDE_CHANNEL_PORT_SETTING
 from kvbridge.errors import ConfigError
+from kvbridge.handshake.authz import Authorizer
 from kvbridge.handshake.base import HandshakeClient, HandshakeServer
 from kvbridge.handshake.http import HttpHandshakeClient, HttpHandshakeServer
 from kvbridge.handshake.payloads import FetchedPayloads, PayloadStore, Rank, fetch_payloads
@@ -167,8 +168,10 @@ class KVBridgeScheduler(NixlPullConnectorScheduler):
                 from kvbridge.handshake.etcd import EtcdHandshakeServer
 
                 return EtcdHandshakeServer(store, sc.registry_endpoint, sc.advertised, port)
+            # Named tokens, the client-certificate allow-list and the audit log, as for
+            # kvbridge serve (docs/security.md).
             return HttpHandshakeServer(store, sc.side_channel_host, port, token=sc.token,
-                                       tls=sc.tls)
+                                       tls=sc.tls, authz=Authorizer.from_config(sc))
         except (OSError, ZMQError) as e:
             raise bind_error(sc.side_channel_host, port, SIDE_CHANNEL_PORT_SETTING,
                              e) from None
