@@ -325,3 +325,28 @@ def test_proxy_admin_routes_need_the_admin_token_or_are_off():
     with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url, timeout=10) as c:
         for path in admin:
             assert c.get(path).status_code in (404, 405), path
+
+
+def test_rotation_end_to_end_without_restarting_server_or_client(tmp_path):
+    """The server accepts old and new during the switch; the client's token file is
+    rewritten and its next fetch sends the new token; then the old one is removed."""
+    accepted, own = tmp_path / "tokens", tmp_path / "token"
+    _write_tokens(accepted, "decode-a:old-token\n")
+    _write_tokens(own, "old-token\n")
+    server = make_server(SideChannelConfig.load({
+        "handshake_method": "http", "side_channel_port": 0, "tokens_file": str(accepted)},
+        environ={}), full_store(1))
+    server.start()
+    client = make_client(SideChannelConfig.load({"handshake_method": "http",
+                                                 "token_file": str(own)}, environ={}), compat())
+    try:
+        assert len(client.fetch(HOST, server.port, 0)) == 1
+        _write_tokens(accepted, "decode-a:old-token\ndecode-a-next:new-token\n")
+        _write_tokens(own, "new-token\n")
+        _write_tokens(accepted, "decode-a-next:new-token\n")
+        assert len(client.fetch(HOST, server.port, 0)) == 1  # same client, new token
+        with pytest.raises(AuthError):
+            HttpHandshakeClient(5, compat(), "old-token").fetch(HOST, server.port, 0)
+    finally:
+        client.close()
+        server.stop()

@@ -59,6 +59,7 @@ def make_client(config: SideChannelConfig, expected: Compat | None,
                                    config.max_message_bytes, endpoint=config.registry_endpoint)
     if method == "http":
         return HttpHandshakeClient(config.handshake_timeout, expected, config.token,
-                                   config.max_message_bytes, tls=config.tls)
+                                   config.max_message_bytes, tls=config.tls,
+                                   token_file=config.token_file)
     return ZmqHandshakeClient(config.handshake_timeout, expected, config.token,
                               config.max_message_bytes)

@@ -110,6 +110,11 @@ class TokenSet:
             self._tokens, self._stamp, self._warned = tokens, stamp, False
             log.info("tokens re-read from %s (%d)", self._path, len(tokens))
 
+    def current(self, name: str = "token") -> str | None:
+        """The token called ``name`` now (a client's own token, after a rotation)."""
+        self._refresh()
+        return None if self._tokens is None else self._tokens.get(name)
+
     def match(self, given: str | None) -> str | None:
         """The name of the token ``given`` is, or None. Every token is compared, in
         constant time each."""

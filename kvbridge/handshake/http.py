@@ -40,7 +40,7 @@ from kvbridge.config import TLSConfig
 from kvbridge.errors import HandshakeError, HandshakeTimeout, WireFormatError, error_body
 from kvbridge.guard import ConnectionBudget, GuardedServer, guarded_protocol
 from kvbridge.handshake._protocol import PEER_CERT, HeadLimitedHttpTools
-from kvbridge.handshake.authz import Authorizer
+from kvbridge.handshake.authz import Authorizer, TokenSet
 from kvbridge.handshake.base import (
     MAX_REQUEST_BYTES,
     HandshakeClient,
@@ -241,7 +241,9 @@ class HttpHandshakeClient(HandshakeClient):
 
     def __init__(self, timeout: float, expected, token: str | None = None,
                  max_message_bytes: int | None = None, tls: TLSConfig | None = None,
-                 scheme: str | None = None):
+                 scheme: str | None = None, token_file: str | None = None):
+        """``token_file``: where ``token`` came from; read again when it changes, so the
+        token sent follows a rotation without a new client."""
         kwargs = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
         super().__init__(timeout, expected, token, **kwargs)
         tls = tls or TLSConfig()
@@ -254,6 +256,13 @@ class HttpHandshakeClient(HandshakeClient):
         self._headers = {"accept": MSGPACK}
         if self.token:
             self._headers["authorization"] = f"Bearer {self.token}"
+        self._token_file = None if not (token_file and self.token) else TokenSet(
+            {"token": self.token}, path=token_file)
+
+    def _request_headers(self) -> dict[str, str]:
+        if self._token_file is None:
+            return self._headers
+        return {**self._headers, "authorization": f"Bearer {self._token_file.current()}"}
 
     def close(self) -> None:
         with self._lock:
@@ -351,7 +360,7 @@ class HttpHandshakeClient(HandshakeClient):
                   deadline: float) -> tuple[int, bytes, bool]:
         """Send the GET, read the capped reply: (status, body, connection reusable)."""
         conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        conn.http.request("GET", path, headers=self._headers)
+        conn.http.request("GET", path, headers=self._request_headers())
         resp = conn.http.getresponse()
         body = self._read_capped(resp, url)
         conn.remember_session(self._tls)
