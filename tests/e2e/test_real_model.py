@@ -24,7 +24,7 @@ from tests.e2e.conftest import Serve, start_all
 from tests.helpers import wait_until
 from tests.real_model import CAPITAL_ANSWER, CAPITAL_QUESTION, smollm2_dir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 16
 PROMPTS = ["The capital of Germany is", "def fibonacci(n):"]
