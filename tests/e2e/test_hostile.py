@@ -279,7 +279,7 @@ def pinning_flood(proxy_url: str, n: int = PINNING_FLOOD) -> list[int]:
     return statuses
 
 
-def test_a_pinning_flood_holds_nothing(hostile):
+def test_a_pinning_flood_holds_nothing(hostile, token_file):
     """20 requests with a 300-character request id: served, and the prefill's blocks come
     back at once (by the decodes' READs), not at the end of the 30 s lease."""
     prefill, proxy = hostile["p-plain"], hostile["proxy"]
@@ -294,6 +294,14 @@ def test_a_pinning_flood_holds_nothing(hostile):
                    timeout=60)
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"].isascii()
+    # a release reads the two ids only: another field a decode would refuse (or an id
+    # longer than params allow) does not make it fail
+    engine_id = httpx.get(prefill.url + "/v1/kv/info", timeout=30).json()["engine_id"]
+    r = httpx.post(prefill.url + "/v1/kv/release", timeout=30,
+                   headers={"authorization": f"Bearer {token_file.read_text()}"},
+                   json={"remote_engine_id": engine_id, "remote_request_id": "r" * 300,
+                         "remote_block_ids": "not a list", "remote_port": "x"})
+    assert r.status_code == 200 and r.json() == {"released": False}, r.text
 
 
 @pytest.mark.slow
