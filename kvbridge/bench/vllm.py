@@ -45,7 +45,7 @@ from kvbridge.net import free_port
 from kvbridge.vllm.launch import VllmServer
 
 SETUPS = ("native", "zmq", "http", "https")
-START_TIMEOUT = 600.0
+START_TIMEOUT = 1200.0  # a pair of vLLM servers on a busy 2-core machine
 COLD_HTTPS_GOAL = 1.5  # cold https handshake <= 1.5x native zmq
 PROMPT = ("Explain in a few sentences why a decode instance reads the prompt's KV cache from "
           "a prefill instance instead of computing it again. Request {i}.")
