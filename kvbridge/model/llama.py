@@ -83,15 +83,16 @@ class LlamaConfig:
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **asdict(self)}
 
     def check_tp(self, tp_size: int) -> None:
-        """Raise ``ValueError`` unless the model can be split ``tp_size`` ways."""
+        """Raise ``ConfigError`` (a ``ValueError``) unless the model can be split ``tp_size``
+        ways."""
         h, kv = self.num_attention_heads, self.num_key_value_heads
         if tp_size < 1 or h % tp_size:
-            raise ValueError(f"{h} attention heads cannot be split over tp size {tp_size}")
+            raise ConfigError(f"{h} attention heads cannot be split over tp size {tp_size}")
         if kv % tp_size and tp_size % kv:
-            raise ValueError(f"{kv} KV heads and tp size {tp_size}: one must divide the other")
+            raise ConfigError(f"{kv} KV heads and tp size {tp_size}: one must divide the other")
         if self.intermediate_size % tp_size:
-            raise ValueError(f"intermediate size {self.intermediate_size} cannot be split over "
-                             f"tp size {tp_size}")
+            raise ConfigError(f"intermediate size {self.intermediate_size} cannot be split "
+                              f"over tp size {tp_size}")
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
         return max(1, self.num_key_value_heads // tp_size)
