@@ -171,6 +171,9 @@ def _proxy(
 ) -> httpx.Client:
     kwargs.setdefault("timeout", 5.0)
     kwargs.setdefault("connect_timeout", 2.0)
+    # The fakes have no /v1/kv/info: a prewarm would warm them up with a request of its
+    # own, which the tests would count among the client's (prewarm has tests of its own).
+    kwargs.setdefault("prewarm", False)
     app = build_proxy_app([p.url for p in prefills], [d.url for d in decodes], **kwargs)
     return httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False)
 
@@ -334,7 +337,8 @@ def test_dead_prefill_fails_over(serve: Serve) -> None:
     (alive,) = _engines(serve, "prefill", 1)
     (decode,) = _engines(serve, "decode", 1)
     dead = _closed_port_url()
-    app = build_proxy_app([dead, alive.url], [decode.url], timeout=5.0, connect_timeout=2.0)
+    app = build_proxy_app([dead, alive.url], [decode.url], timeout=5.0, connect_timeout=2.0,
+                          prewarm=False)
     with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
         for _ in range(4):
             r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
@@ -346,7 +350,8 @@ def test_dead_decode_fails_over_and_releases_the_hold(serve: Serve) -> None:
     (prefill,) = _engines(serve, "prefill", 1)
     (decode,) = _engines(serve, "decode", 1)
     dead = _closed_port_url()
-    app = build_proxy_app([prefill.url], [dead, decode.url], timeout=5.0, connect_timeout=2.0)
+    app = build_proxy_app([prefill.url], [dead, decode.url], timeout=5.0, connect_timeout=2.0,
+                          prewarm=False)
     with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
         r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
         assert r.status_code == 200, r.text
@@ -381,7 +386,8 @@ def test_decode_dead_before_first_token_fails_over(serve: Serve, stream: bool) -
     (decode,) = _engines(serve, "decode", 1)
     with RawServer(_dies_after_headers) as dying:
         dead = f"http://127.0.0.1:{dying.port}"
-        app = build_proxy_app([prefill.url], [dead, decode.url], timeout=5.0, connect_timeout=2.0)
+        app = build_proxy_app([prefill.url], [dead, decode.url], timeout=5.0, connect_timeout=2.0,
+                              prewarm=False)
         with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
             r = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
             assert r.status_code == 200, r.text
