@@ -1,7 +1,10 @@
 """``kvbridge bench serve``: a load generator against P/D setups and a single engine.
 
 Starts, as separate processes like tests/e2e do, all at once, on loopback, all running
-the built-in tiny model (http handshake with a token):
+one model (http handshake with a token): the built-in tiny model by default, or
+``--model``: a checkpoint directory or a model ``kvbridge model prepare`` knows
+(``--model smollm2-135m-instruct``, prepared on first use). Prompts are token ids of the
+exact ``--prompt-tokens`` length (the model's tokenizer encodes a text, cut to length).
 
 * ``pd``: ``kvbridge serve --role prefill``, ``kvbridge serve --role decode`` and
   ``kvbridge proxy --no-prewarm``: the first request pays the decode's handshake;
@@ -49,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--handshake", choices=["http", "zmq"], default="http")
     p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or a preparable model name, e.g. "
+                   "smollm2-135m-instruct (default: the built-in tiny model)")
     p.add_argument("--no-spin-baseline", dest="spin_baseline", action="store_false",
                    help="skip the idle-CPU check of an engine with the progress delay at 0")
 
@@ -64,14 +70,46 @@ def _metric(client, url: str, name: str) -> float:
         return float("nan")
 
 
-def _prompt(n: int, i: int) -> str:
-    """``n`` bytes (the tiny model's tokenizer is byte-level), different per request."""
-    words = f"request {i} asks about the side channel and the data plane of kv blocks. "
-    return (words * (n // len(words) + 1))[:n]
+class _Model:
+    """The served model: its name in requests, its tokenizer, its KV bytes per token."""
+
+    def __init__(self, model: str | None, dtype: str):
+        from kvbridge.model.loader import load_config, load_tokenizer, resolve_dtype
+
+        self.path = _model_path(model)
+        self.name = "kvbridge-tiny" if self.path is None else str(self.path)
+        cfg = load_config(self.path)
+        self.tokenizer = load_tokenizer(self.path)
+        self.kv_bytes_per_token = (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads
+                                   * cfg.head_dim * resolve_dtype(dtype).itemsize)
+        self.label = ("built-in tiny (2 layers, 4 KV heads)" if self.path is None else
+                      f"{Path(self.path).name} ({cfg.num_hidden_layers} layers, "
+                      f"{cfg.num_key_value_heads} KV heads, head_dim {cfg.head_dim})")
+        self.serve_args = [] if self.path is None else ["--model", str(self.path)]
+
+    def prompt(self, n: int, i: int) -> list[int]:
+        """Exactly ``n`` prompt tokens, different per request."""
+        words = f"request {i} asks about the side channel and the data plane of kv blocks. "
+        ids: list[int] = []
+        while len(ids) < n:
+            ids = self.tokenizer.encode(words * (n // 4 + 1))
+            words *= 2
+        return ids[:n]
 
 
-async def _one(client, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body = {"model": "kvbridge-tiny", "prompt": prompt, "max_tokens": max_tokens,
+def _model_path(model: str | None) -> Path | None:
+    if model is None or model == "tiny":
+        return None
+    if Path(model).is_dir():
+        return Path(model)
+    from kvbridge.model.models import prepare
+
+    return prepare(model)
+
+
+async def _one(client, url: str, model: _Model, prompt: list[int],
+               max_tokens: int) -> dict[str, Any]:
+    body = {"model": model.name, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -115,8 +153,8 @@ async def _level(url: str, concurrency: int, requests: int, args: argparse.Names
         async def worker() -> None:
             for i in counter:
                 try:
-                    results.append(await _one(client, url, _prompt(args.prompt_tokens,
-                                                                   seed + i),
+                    results.append(await _one(client, url, args.served,
+                                              args.served.prompt(args.prompt_tokens, seed + i),
                                               args.output_tokens))
                 except Exception as e:
                     errors.append(f"{type(e).__name__}: {e}"[:200])
@@ -250,9 +288,10 @@ def _breakdown(setup: str, a: dict[str, dict[str, float]], b: dict[str, dict[str
     }
 
 
-def _transfer_ms(client, decode_url: str) -> tuple[float, float]:
+def _transfer_ms(client, decode_url: str) -> tuple[float, float, float]:
     return (_metric(client, decode_url, "kvbridge_kv_load_seconds_sum"),
-            _metric(client, decode_url, "kvbridge_kv_load_seconds_count"))
+            _metric(client, decode_url, "kvbridge_kv_load_seconds_count"),
+            _metric(client, decode_url, "kvbridge_kv_bytes_loaded_total"))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -263,6 +302,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         _quick(args)
     args.levels = [int(x) for x in str(args.concurrency).split(",")]
+    args.served = model = _Model(args.model, args.dtype)
     load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-serve-") as t:
         tmp = Path(t)
@@ -271,6 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         token.chmod(0o600)
         side = ["--handshake", args.handshake, "--side-channel-token-file", str(token),
                 "--side-channel-port", "0", "--dtype", args.dtype]
+        served = [*side, *model.serve_args]
         # Every setup runs at the same time (idle NIXL agents no longer spin a core, see
         # idle_cpu_per_s), so that the sweep can interleave P/D and monolithic per level.
         names = {"pd": ("prefill", "decode", "proxy"),
@@ -286,12 +327,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for s in ("pd", "pd_prewarmed"):
                 procs[s]["prefill"] = KVBridgeProcess(
                     f"{s}-prefill", tmp, "serve", "--role", "prefill", "--port",
-                    str(ports[s]["prefill"]), *side)
+                    str(ports[s]["prefill"]), *served)
                 procs[s]["decode"] = KVBridgeProcess(
                     f"{s}-decode", tmp, "serve", "--role", "decode", "--tp", str(args.decode_tp),
-                    "--port", str(ports[s]["decode"]), *side)
+                    "--port", str(ports[s]["decode"]), *served)
             procs["mono"]["mono"] = KVBridgeProcess("mono", tmp, "serve", "--role", "both",
-                                                    "--port", str(ports["mono"]["mono"]), *side)
+                                                    "--port", str(ports["mono"]["mono"]),
+                                                    *served)
             deadline = time.monotonic() + START_TIMEOUT
             with httpx.Client(trust_env=False) as client:
                 for s in SETUPS:
@@ -342,6 +384,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             r["kv_loads"] = loads
                             r["kv_load_ms_mean"] = (1000 * (kv1[0] - kv0[0]) / loads
                                                     if loads else float("nan"))
+                            # what the decode read over NIXL per request: whole blocks
+                            r["kv_bytes_per_request"] = ((kv1[2] - kv0[2]) / loads
+                                                         if loads else float("nan"))
                         runs[s].append(r)
                         progress(f"serve: {s:<4} x{c}: TTFT p50 {r['ttft_ms']['p50']:.1f} ms, "
                                  f"ITL p50 {r['itl_ms']['p50']:.1f} ms, "
@@ -378,7 +423,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "output_tokens": args.output_tokens, "requests_per_level": args.requests
                    or "max(12, 3 x concurrency)", "handshake": args.handshake,
                    "decode_tp": args.decode_tp, "prefill_tp": 1, "dtype": args.dtype,
-                   "model": "built-in tiny (2 layers, 4 KV heads)",
+                   "model": model.label, "model_path": None if model.path is None
+                   else str(model.path), "kv_bytes_per_token": model.kv_bytes_per_token,
                    "proxy_prewarm": {"pd": "off (--no-prewarm)",
                                      "pd_prewarmed": "on (--kv-token-file), waited for"},
                    "order": "all set-ups started together; first requests per set-up; "
@@ -407,12 +453,19 @@ def summary(r: dict[str, Any]) -> str:
              f"{f['mono']['first']['ttft_ms']:.1f} ms, second {f['mono']['second']['ttft_ms']:.1f}"
              " ms",
              "idle CPU s/s: " + ", ".join(f"{k} {v:.3f}" for k, v in r["idle_cpu_per_s"].items()),
+             f"model {r['config']['model']}: KV {r['config']['kv_bytes_per_token']} bytes "
+             "per token",
              "setup conc  TTFT p50/p99 ms    ITL p50/p99 ms   tok/s  errors"]
     for setup in SWEPT:
         for x in r["results"][setup]:
             lines.append(f"{setup:<5} {x['concurrency']:>4} {x['ttft_ms']['p50']:>7.1f} "
                          f"{x['ttft_ms']['p99']:>7.1f}  {x['itl_ms']['p50']:>7.2f} "
                          f"{x['itl_ms']['p99']:>7.2f} {x['tokens_per_s']:>7.0f} {x['errors']:>7}")
+    for x in r["results"]["pd"]:
+        if "kv_bytes_per_request" in x:
+            lines.append(f"pd x{x['concurrency']}: KV read per request "
+                         f"{x['kv_bytes_per_request'] / 1024:.0f} KiB in "
+                         f"{x['kv_load_ms_mean']:.1f} ms (decode's mean kv_load)")
     for setup in SWEPT:
         for x in r["results"][setup]:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in x["ttft_breakdown_ms"].items())
@@ -458,7 +511,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)
     f = r["first_requests"]
-    fig.suptitle(f"kvbridge serve, tiny model, prompt {r['config']['prompt_tokens']} / output "
+    fig.suptitle(f"kvbridge serve, {r['config']['model']}, prompt {r['config']['prompt_tokens']} / output "
                  f"{r['config']['output_tokens']} tokens; P/D first request TTFT "
                  f"{f['pd']['first']['ttft_ms']:.0f} ms (handshake), prewarmed "
                  f"{f['pd_prewarmed']['first']['ttft_ms']:.0f} ms, second "
