@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import httpx
-import trustme
 
+from kvbridge.bench.common import write_certs
 from kvbridge.launch import KVBridgeProcess, free_port, read_metric
 from kvbridge.vllm.launch import VllmServer
 
@@ -36,11 +36,8 @@ _COLUMNS = (_BYTES, _READS, _XFER)
 
 
 def _certs(d: Path) -> Path:
-    ca = trustme.CA()
-    ca.cert_pem.write_to_path(str(d / "ca.pem"))
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    cert.cert_chain_pems[0].write_to_path(str(d / "server.pem"))
-    cert.private_key_pem.write_to_path(str(d / "server.key"))
+    """A throw-away CA and server certificate (the benchmarks' own), and a token file."""
+    write_certs(d)
     token = d / "token"
     token.write_text(os.urandom(16).hex())
     token.chmod(0o600)
