@@ -57,6 +57,19 @@ class EpochChanged(HandshakeError):
     """The peer restarted: its instance epoch differs from the one expected."""
 
 
+class RetryableHandshakeError(HandshakeError):
+    """A transport failure worth another attempt before the deadline (refused, reset, not
+    published yet): ``HandshakeClient.fetch_body`` retries it, then raises ``HandshakeTimeout``."""
+
+
+class RegistryError(KVBridgeError):
+    """etcd could not be reached or refused a call."""
+
+
+class WatchCompacted(RegistryError):
+    """The revision to resume from is gone: list again, then watch."""
+
+
 class TransferError(KVBridgeError):
     """A NIXL transfer failed or could not be built."""
 

@@ -13,7 +13,7 @@ import httpx
 import msgspec
 import pytest
 
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, RegistryError
 from kvbridge.launch import KVBridgeProcess, free_port
 from kvbridge.registry import (
     INSTANCES_PREFIX,
@@ -23,7 +23,6 @@ from kvbridge.registry import (
     instance_key,
     parse_registry_url,
 )
-from kvbridge.registry.etcd import RegistryError
 from tests.conftest import ROOT
 from tests.helpers import wait_until
 

@@ -18,12 +18,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvbridge import background
 from kvbridge.config import SideChannelConfig, TLSConfig
-from kvbridge.errors import AuthError, ConfigError, HandshakeError
+from kvbridge.errors import AuthError, ConfigError, HandshakeError, RegistryError
 from kvbridge.handshake import make_client, make_server
 from kvbridge.handshake.etcd import HANDSHAKE_PREFIX
 from kvbridge.handshake.http import HttpHandshakeClient
 from kvbridge.registry import EtcdRegistry, InstanceRecord, instance_key, parse_registry_url
-from kvbridge.registry.etcd import RegistryError
 from kvbridge.registry.record import INSTANCES_PREFIX
 from kvbridge.server.api import BackgroundServer
 from kvbridge.server.membership import MAX_RECORD_BYTES, Membership

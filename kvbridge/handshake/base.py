@@ -21,6 +21,7 @@ from kvbridge.errors import (
     HandshakeError,
     HandshakeTimeout,
     PeerMismatch,
+    RetryableHandshakeError,
     WireFormatError,
 )
 from kvbridge.metadata import (
@@ -139,10 +140,6 @@ class HandshakeServer(ABC):
         self.stop()
 
 
-class _Retry(Exception):
-    """A transport failure worth another attempt (refused, reset) before the deadline."""
-
-
 class HandshakeClient(ABC):
     """Fetches a peer's metadata; the transport is the subclass's business."""
 
@@ -157,7 +154,7 @@ class HandshakeClient(ABC):
 
     @abstractmethod
     def _request(self, host: str, port: int, tp_rank: int | None, deadline: float) -> Reply:
-        """One attempt; raise ``_Retry`` for transient transport errors, ``HandshakeTimeout``
+        """One attempt; raise ``RetryableHandshakeError`` for transient transport errors, ``HandshakeTimeout``
         when the deadline passes."""
 
     def close(self) -> None:
@@ -192,7 +189,7 @@ class HandshakeClient(ABC):
             try:
                 reply = self._request(host, port, tp_rank, deadline)
                 break
-            except _Retry as e:
+            except RetryableHandshakeError as e:
                 left = deadline - time.monotonic()
                 if left > 0:
                     time.sleep(min(delay, left))

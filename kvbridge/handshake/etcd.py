@@ -21,10 +21,11 @@ import threading
 import time
 
 from kvbridge.background import Supervised
-from kvbridge.handshake.base import HandshakeClient, HandshakeServer, MetadataStore, Reply, _Retry
-from kvbridge.launch import free_port
+from kvbridge.errors import RegistryError, RetryableHandshakeError
+from kvbridge.handshake.base import HandshakeClient, HandshakeServer, MetadataStore, Reply
 from kvbridge.metadata import DEFAULT_MAX_MESSAGE_BYTES, Compat
-from kvbridge.registry.etcd import DEFAULT_TTL, EtcdEndpoint, EtcdRegistry, RegistryError
+from kvbridge.net import free_port
+from kvbridge.registry.etcd import DEFAULT_TTL, EtcdEndpoint, EtcdRegistry
 
 log = logging.getLogger(__name__)
 
@@ -193,9 +194,9 @@ class EtcdHandshakeClient(HandshakeClient):
             try:
                 body = self._registry.get_prefix(key, self.max_message_bytes)[0].get(key)
             except RegistryError as e:
-                raise _Retry(str(e)) from None
+                raise RetryableHandshakeError(str(e)) from None
             if body is None:
-                raise _Retry(f"nothing published at {key} (prefill not up yet?)")
+                raise RetryableHandshakeError(f"nothing published at {key} (prefill not up yet?)")
         return Reply(200, body)  # checked (size, schema, compat) by ``fetch``
 
     def close(self) -> None:

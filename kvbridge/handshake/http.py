@@ -37,7 +37,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvbridge.config import TLSConfig
-from kvbridge.errors import HandshakeError, HandshakeTimeout, WireFormatError, error_body
+from kvbridge.errors import (
+    HandshakeError,
+    HandshakeTimeout,
+    RetryableHandshakeError,
+    WireFormatError,
+    error_body,
+)
 from kvbridge.guard import ConnectionBudget, GuardedServer, guarded_protocol
 from kvbridge.handshake._protocol import PEER_CERT, HeadLimitedHttpTools
 from kvbridge.handshake.authz import Authorizer, TokenSet
@@ -48,7 +54,6 @@ from kvbridge.handshake.base import (
     MetadataStore,
     Observer,
     Reply,
-    _Retry,
 )
 
 log = logging.getLogger(__name__)
@@ -348,7 +353,7 @@ class HttpHandshakeClient(HandshakeClient):
         except TimeoutError:
             raise
         except OSError as e:  # refused, unreachable, no such name (yet): the peer may be starting
-            raise _Retry(f"{type(e).__name__}: {e}") from None
+            raise RetryableHandshakeError(f"{type(e).__name__}: {e}") from None
         conn = _Connection(host, port, sock)
         current.append(conn)  # the watchdog can cut the TLS handshake too
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

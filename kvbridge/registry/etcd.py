@@ -23,21 +23,13 @@ from etcd3gw.exceptions import Etcd3Exception
 from etcd3gw.lease import Lease
 
 from kvbridge.background import Supervised, ignored
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, RegistryError, WatchCompacted
 from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord, instance_key
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 10  # seconds a registration outlives its instance's last keep-alive
 DEFAULT_OP_TIMEOUT = 2.0  # one unary call to etcd; etcd down must not stall anyone long
-
-
-class RegistryError(Exception):
-    """etcd could not be reached or refused a call."""
-
-
-class WatchCompacted(RegistryError):
-    """The revision to resume from is gone: list again, then watch."""
 
 
 @dataclass(frozen=True)

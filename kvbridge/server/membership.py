@@ -25,7 +25,8 @@ import httpx
 import msgspec
 
 from kvbridge.background import Supervised, ignored
-from kvbridge.registry.etcd import EtcdRegistry, RegistryError, WatchCompacted
+from kvbridge.errors import RegistryError, WatchCompacted
+from kvbridge.registry.etcd import EtcdRegistry
 from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord, instance_key
 from kvbridge.server.routing import Backend, Router
 

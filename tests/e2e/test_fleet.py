@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvbridge.errors import RegistryError
 from kvbridge.launch import KVBridgeProcess, free_port
 from kvbridge.registry import INSTANCES_PREFIX, EtcdRegistry, InstanceRecord, parse_registry_url
-from kvbridge.registry.etcd import RegistryError
 from kvbridge.registry.server import EtcdProcess
 from kvbridge.server.routing import DEFAULT_COOLDOWN
 from tests.conftest import ROOT
