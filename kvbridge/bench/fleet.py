@@ -129,7 +129,7 @@ def _poll(cond, timeout: float, what: str, every: float = 0.01) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kvbridge.registry.server import EtcdProcess
+    from kvbridge.testing.etcd import EtcdProcess
 
     if args.quick:
         args.clients, args.steady_seconds, args.max_tokens = 4, 3.0, 4

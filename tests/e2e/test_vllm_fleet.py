@@ -18,7 +18,7 @@ import pytest
 
 from kvbridge.launch import KVBridgeProcess, free_port, read_metric
 from kvbridge.model.models import prepare
-from kvbridge.registry.server import EtcdProcess
+from kvbridge.testing.etcd import EtcdProcess
 from kvbridge.vllm.launch import VllmServer
 from tests.helpers import wait_until
 

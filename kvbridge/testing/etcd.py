@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from kvbridge.launch import free_port
+from kvbridge.net import free_port
 
 
 def etcd_binary() -> Path:
@@ -116,7 +116,7 @@ class EtcdProcess:
             ctx = ssl.create_default_context(cafile=self.tls.ca)
             ctx.load_cert_chain(self.tls.client_certfile, self.tls.client_keyfile)
             verify = ctx
-        with httpx.Client(trust_env=False, verify=verify) as c:  # type: ignore[arg-type]  # type: ignore[arg-type]
+        with httpx.Client(trust_env=False, verify=verify) as c:  # type: ignore[arg-type]
             while True:
                 assert self.proc is not None
                 if self.proc.poll() is not None:

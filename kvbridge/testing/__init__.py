@@ -1,0 +1,2 @@
+"""What tests, benchmarks and the demo start, never a production server: a throw-away etcd
+(``kvbridge.testing.etcd``)."""
