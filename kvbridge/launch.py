@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from kvbridge.net import free_port
+from kvbridge.testing.prometheus import metric_total, read_samples
 
 __all__ = ["KVBridgeProcess", "free_port", "read_metric"]
 
@@ -65,9 +66,4 @@ class KVBridgeProcess:
 def read_metric(client: httpx.Client, url: str, name: str) -> float:
     """Sum of every sample of ``name`` (all label sets; or one, written ``name{...}``) on
     ``url``'s Prometheus ``/metrics``."""
-    total = 0.0
-    for line in client.get(url + "/metrics", timeout=10).text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if not line.startswith("#") and (key == name or key.startswith(name + "{")):
-            total += float(value)
-    return total
+    return metric_total(read_samples(client, url), name)

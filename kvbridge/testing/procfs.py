@@ -1,0 +1,31 @@
+"""Readings of ``/proc`` shared by tests and benchmarks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["instance_rss_mib"]
+
+
+def _vm_rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0  # a zombie has no VmRSS line
+
+
+def instance_rss_mib(pid: int) -> float:
+    """Resident memory (MiB) of an instance: the process ``pid`` and its direct children
+    (a ``kvbridge serve``'s TP workers), as they are now."""
+    pids = [pid]
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    if children.exists():
+        pids += [int(c) for c in children.read_text().split()]
+    total = 0
+    for p in pids:
+        try:
+            total += _vm_rss_kib(p)
+        except FileNotFoundError:  # a child that exited meanwhile
+            if p == pid:
+                raise
+    return total / 1024
