@@ -125,6 +125,7 @@ class FailureKind(enum.StrEnum):
     INVALID_PARAMS = "invalid_params"  # never recomputed; a 400
     HANDSHAKE = "handshake"            # peer down, timeout, auth, TLS, incompatible, restarted
     TRANSFER = "transfer"              # a READ could not start, failed or timed out
+    STALE = "stale"                    # the blocks read did not hold the prompt's KV
     ABORTED = "aborted"                # the request went away while loading
 
 

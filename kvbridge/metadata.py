@@ -18,7 +18,7 @@ import msgspec
 
 from kvbridge.errors import CompatibilityError, SchemaVersionError, WireFormatError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: RankMetadata.tags_addr (block tags, see kvbridge.kv_tags)
 DTYPE_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
@@ -63,6 +63,9 @@ class RankMetadata(_Strict):
     agent_name: str
     agent_metadata: bytes
     kv: KVLayout
+    # Address of the rank's block tags: ``kv.num_blocks`` little-endian uint64s, one per
+    # block, in the registered memory of ``agent_metadata`` (see kvbridge.kv_tags).
+    tags_addr: int
 
 
 class Compat(_Strict):
@@ -208,7 +211,7 @@ def to_jsonable(ranks: list[RankMetadata], compat: Compat) -> dict[str, Any]:
 # engine checks them itself. Its first key is ``payload_schema`` (not ``schema_version``), so
 # neither kind of envelope can be mistaken for the other. See docs/protocol.md.
 
-PAYLOAD_SCHEMA_VERSION = 1
+PAYLOAD_SCHEMA_VERSION = 2  # 2: RankMetadata.tags_addr (block tags, see kvbridge.kv_tags)
 
 
 class RankPayload(_Strict):

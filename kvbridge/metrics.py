@@ -35,6 +35,14 @@ class Metrics:
         self.held_released = Counter(
             "kvbridge_held_requests_released",
             "Prefill requests whose held blocks were freed, by why", ["why"], registry=r)
+        self.kv_notes_ignored = Counter(
+            "kvbridge_kv_notes_ignored",
+            "Release and READ-done notes about held blocks that were ignored, by why "
+            "(bad_key: without this hold's key)", ["why"], registry=r)
+        self.kv_loads_stale = Counter(
+            "kvbridge_kv_loads_stale",
+            "KV loads whose blocks' tags did not match the prompt after the READ (reordered "
+            "blocks, another prompt, blocks reused): not used", registry=r)
         self.requests_recomputed = Counter(
             "kvbridge_requests_recomputed",
             "Requests whose remote KV failed to load and were computed locally", registry=r)

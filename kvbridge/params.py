@@ -4,7 +4,7 @@ Field names follow vLLM's NixlConnector, so vLLM's own disaggregation proxy (and
 client speaking its protocol) works unchanged: the prefill hop carries
 ``do_remote_decode: true`` with the other fields null, and the prefill's answer is
 passed verbatim to the decode. kvbridge adds ``remote_epoch``, ``handshake_method``,
-``remote_num_tokens`` and ``remote_lease_ms``.
+``remote_num_tokens``, ``remote_lease_ms`` and ``remote_hold_key`` (all optional).
 
 Decoding is strict about types (``"false"`` is not a bool, ``"25600"`` and ``25600.9``
 are not ports, block ids are integers >= 0) and lenient about unknown fields, which
@@ -45,6 +45,9 @@ class KVTransferParams(msgspec.Struct, kw_only=True, frozen=True):
     # how long the prefill holds the blocks, from its answer on: a decode gives up its
     # READs before then, so a block is never reused under a READ still in flight
     remote_lease_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    # the hold's capability: a decode's READ-done and release notes (and a proxy's
+    # /v1/kv/release) carry it, or the prefill ignores them
+    remote_hold_key: _Id | None = None
 
     # -- decoding and encoding ---------------------------------------------------------------
 

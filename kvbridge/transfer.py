@@ -55,6 +55,12 @@ class RemoteRank:
     slices: list[HeadSlice]
     remote_dlist: Any = None
     local_dlist: Any = None
+    # Block tags (kvbridge.kv_tags): the peer's tag array, READ into a scratch array of
+    # our own (one slot per local block: a load's local blocks are its own).
+    tags_dlist: Any = None
+    scratch_dlist: Any = None
+    scratch: np.ndarray | None = None
+    scratch_reg: Any = None
 
 
 @dataclass
@@ -74,6 +80,8 @@ class NixlAgent:
         self._reg = None
         self.kv: KVLayout | None = None
         self._kv_tensor: torch.Tensor | None = None
+        self.tags: np.ndarray | None = None  # one tag per KV block (kvbridge.kv_tags)
+        self._tags_reg = None
         # Handshake threads connect peers while the worker thread reads and polls.
         self._lock = threading.RLock()
         self._peers: dict[int, RemoteRank] = {}      # id() -> connected remote ranks
@@ -86,7 +94,21 @@ class NixlAgent:
         self._reg = self._agent.register_memory(
             [(kv_cache.data_ptr(), kv_cache.nbytes, 0, "")], mem_type="DRAM")
         self.kv = kv_layout(kv_cache, total_kv_heads)
+        self.tags = np.zeros(self.kv.num_blocks, dtype=np.uint64)
+        self._tags_reg = self._agent.register_memory(
+            [(self.tags.ctypes.data, self.tags.nbytes, 0, "")], mem_type="DRAM")
         return self.kv
+
+    def clear_tags(self, block_ids: Sequence[int]) -> None:
+        """Before KV is written into these blocks: they no longer hold known content."""
+        assert self.tags is not None
+        self.tags[np.asarray(block_ids, dtype=np.int64)] = 0
+
+    def set_tags(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Once KV is written: (block id, tag) of each block's new content."""
+        assert self.tags is not None
+        for block, tag in pairs:
+            self.tags[block] = tag
 
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()
@@ -117,6 +139,7 @@ class NixlAgent:
             try:
                 peer.remote_dlist = self._agent.prep_xfer_dlist(agent_name, remote, "DRAM")
                 peer.local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
+                self._prep_tags(peer)
             except Exception as e:
                 self.disconnect(peer)
                 raise TransferError(f"cannot prepare descriptors for {agent_name}: "
@@ -129,11 +152,26 @@ class NixlAgent:
         with self._lock:
             if self._peers.pop(id(peer), None) is None:
                 return  # already disconnected
-            for dl in (peer.remote_dlist, peer.local_dlist):
+            for dl in (peer.remote_dlist, peer.local_dlist, peer.tags_dlist, peer.scratch_dlist):
                 if dl is not None:
                     self._agent.release_dlist_handle(dl)
-            peer.remote_dlist = peer.local_dlist = None
+            peer.remote_dlist = peer.local_dlist = peer.tags_dlist = peer.scratch_dlist = None
+            if peer.scratch_reg is not None:
+                self._agent.deregister_memory(peer.scratch_reg)
+                peer.scratch_reg = None
             self._agent.remove_remote_agent(peer.agent_name)
+
+    def _prep_tags(self, peer: RemoteRank) -> None:
+        assert self.kv is not None
+        remote = np.array([(peer.meta.tags_addr + 8 * i, 8, 0)
+                           for i in range(peer.meta.kv.num_blocks)], dtype=np.uint64)
+        peer.scratch = np.zeros(self.kv.num_blocks, dtype=np.uint64)
+        peer.scratch_reg = self._agent.register_memory(
+            [(peer.scratch.ctypes.data, peer.scratch.nbytes, 0, "")], mem_type="DRAM")
+        local = np.array([(peer.scratch.ctypes.data + 8 * i, 8, 0)
+                          for i in range(self.kv.num_blocks)], dtype=np.uint64)
+        peer.tags_dlist = self._agent.prep_xfer_dlist(peer.agent_name, remote, "DRAM")
+        peer.scratch_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
 
     def read(self, peer: RemoteRank, local_blocks: Sequence[int], remote_blocks: Sequence[int],
              notif: bytes) -> PendingRead:
@@ -148,12 +186,34 @@ class NixlAgent:
         remote_idx = np.concatenate([block_indices(remote_blocks, peer.meta.kv.num_blocks,
                                                    regions, i)
                                      for i in range(len(peer.slices))])
+        return self._post(peer, peer.local_dlist, local_idx, peer.remote_dlist, remote_idx, notif)
+
+    def read_tags(self, peer: RemoteRank, local_blocks: Sequence[int],
+                  remote_blocks: Sequence[int], notif: bytes) -> PendingRead:
+        """Start a READ of ``remote_blocks``' tags into our scratch slots of ``local_blocks``
+        (see ``tags_read``); ``remote_blocks`` are checked like ``read``'s."""
+        assert self.kv is not None
+        if len(local_blocks) != len(remote_blocks):
+            raise TransferError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} "
+                                "remote blocks")
+        remote_idx = block_indices(remote_blocks, peer.meta.kv.num_blocks, 1, 0)
+        local_idx = block_indices(local_blocks, self.kv.num_blocks, 1, 0)
+        return self._post(peer, peer.scratch_dlist, local_idx, peer.tags_dlist, remote_idx, notif)
+
+    @staticmethod
+    def tags_read(peer: RemoteRank, local_blocks: Sequence[int]) -> list[int]:
+        """The tags a finished ``read_tags`` brought, in the order of ``local_blocks``."""
+        assert peer.scratch is not None
+        return [int(t) for t in peer.scratch[np.asarray(local_blocks, dtype=np.int64)]]
+
+    def _post(self, peer: RemoteRank, local_dlist: Any, local_idx: np.ndarray,
+              remote_dlist: Any, remote_idx: np.ndarray, notif: bytes) -> PendingRead:
         with self._lock:
             if self._closed or peer.remote_dlist is None:
                 raise TransferError(f"peer {peer.agent_name} was disconnected")
             try:  # e.g. the remote agent was removed or re-added since the lists were prepared
-                handle = self._agent.make_prepped_xfer("READ", peer.local_dlist, local_idx,
-                                                       peer.remote_dlist, remote_idx, notif)
+                handle = self._agent.make_prepped_xfer("READ", local_dlist, local_idx,
+                                                       remote_dlist, remote_idx, notif)
             except Exception as e:
                 raise TransferError(f"READ from {peer.agent_name} could not be built: "
                                     f"{type(e).__name__}: {e}") from e
@@ -233,6 +293,9 @@ class NixlAgent:
             if self._reg is not None:
                 self._agent.deregister_memory(self._reg)
                 self._reg = None
+            if self._tags_reg is not None:
+                self._agent.deregister_memory(self._tags_reg)
+                self._tags_reg = None
             self._kv_tensor = None
             # The agent's UCX worker, progress thread, sockets and shared memory go with it.
             self._agent = None
@@ -267,4 +330,5 @@ class NixlAgent:
         if self.kv is None:
             raise TransferError("register the KV cache first")
         return RankMetadata(engine_id=engine_id, epoch=epoch, tp_rank=tp_rank, tp_size=tp_size,
-                            agent_name=self.name, agent_metadata=self.metadata(), kv=self.kv)
+                            agent_name=self.name, agent_metadata=self.metadata(), kv=self.kv,
+                            tags_addr=int(self.tags.ctypes.data) if self.tags is not None else 0)

@@ -39,7 +39,7 @@ def rank_meta(tp_rank: int, tp_size: int = 2, *, engine_id: str = "prefill-0",
         agent_name=f"agent-{engine_id}-{epoch}-r{tp_rank}",
         agent_metadata=(agent_metadata if agent_metadata is not None
                         else b"NIXLMD" + bytes([tp_rank]) * 58),
-        kv=kv)
+        kv=kv, tags_addr=0x7E00_0000_0000 + tp_rank * 0x1_0000)
 
 
 def compat(**kv_override) -> Compat:

@@ -11,6 +11,7 @@ from kvbridge.connector.aggregator import LoadAggregator, SendAggregator
 from kvbridge.connector.messages import WorkerOutput, decode_notif, encode_notif
 from kvbridge.connector.scheduler import NixlSchedulerConnector, lease_margin
 from kvbridge.errors import InvalidKVTransferParams
+from kvbridge.kv_tags import block_tags
 from kvbridge.params import KVTransferParams
 from kvbridge.tp_mapping import consumers, remote_ranks
 
@@ -59,7 +60,9 @@ def test_send_ignores_requests_not_held():
 
 
 def test_notif_round_trip_and_garbage():
-    assert decode_notif(encode_notif("req|with|bars", 3, 4)) == ("req|with|bars", 3, 4)
+    assert decode_notif(encode_notif("req|with|bars", 3, 4, None)) == ("req|with|bars", 3, 4,
+                                                                         None)
+    assert decode_notif(encode_notif("r|k1", -1, 0, "0123")) == ("r|k1", -1, 0, "0123")
     assert decode_notif(b"not ours") is None
     assert decode_notif(b"\xff\xfe|x|y") is None
 
@@ -93,10 +96,36 @@ def test_scheduler_holds_then_releases_on_notifications():
     assert hold and params.remote_block_ids == [3, 4] and params.tp_size == 2
     assert params.do_remote_prefill is True and params.remote_request_id == "p"
     assert params.remote_num_tokens == 20 and params.remote_lease_ms == 60_000
+    key = params.remote_hold_key
+    assert key and len(key) == 32
     # decode TP 1 reads both prefill ranks: released after both notified
-    assert c.update([WorkerOutput(0, notified=[("p", 0, 1)]), None]).released == set()
-    assert c.update([None, WorkerOutput(1, notified=[("p", 0, 1)])]).released == {"p"}
+    assert c.update([WorkerOutput(0, notified=[("p", 0, 1, key)]), None]).released == set()
+    assert c.update([None, WorkerOutput(1, notified=[("p", 0, 1, key)])]).released == {"p"}
     assert c.num_held == 0
+
+
+@pytest.mark.parametrize("key", [None, "0" * 32, "short"])
+def test_notes_without_the_hold_key_are_ignored_and_counted(key):
+    c = _connector(1)
+    _, params = c.on_finished("p", [3], P(do_remote_decode=True), 10)
+    assert c.update([WorkerOutput(0, notified=[("p", 0, 1, key)])]).released == set()
+    assert c.update([WorkerOutput(0, notified=[("p", -1, 0, key)])]).released == set()
+    assert not c.release("p", key)
+    assert c.num_held == 1
+    assert c.metrics.value("kvbridge_kv_notes_ignored_total", {"why": "bad_key"}) == 3
+    # the decode that holds the key reads it, and the hold goes
+    assert c.update([WorkerOutput(0, notified=[("p", 0, 1, params.remote_hold_key)])]
+                    ).released == {"p"}
+
+
+def test_a_load_carries_the_hold_key_and_the_prompt_tags():
+    c = _connector(1)
+    prompt = list(range(40))
+    c.num_remote_tokens("d", prompt, _remote(remote_block_ids=[7, 8, 9], remote_hold_key="k"))
+    c.on_blocks_allocated("d", [0, 1, 2])
+    (spec,) = c.build_worker_meta().loads
+    assert spec.hold_key == "k" and spec.expected_tags == block_tags(prompt, 40, 16)
+    assert len(set(spec.expected_tags)) == 3 and 0 not in spec.expected_tags
 
 
 def test_scheduler_lease_expiry_releases():
@@ -199,8 +228,9 @@ def test_a_load_is_fenced_inside_the_prefill_lease():
 
 def test_release_frees_a_hold_at_the_next_update():
     c = _connector(1)
-    c.on_finished("p", [3, 4], P(do_remote_decode=True), 20)
-    assert c.release("p") and not c.release("unknown")
+    _, params = c.on_finished("p", [3, 4], P(do_remote_decode=True), 20)
+    key = params.remote_hold_key
+    assert c.release("p", key) and not c.release("unknown", key)
     assert c.update([None]).released == {"p"}
-    assert not c.release("p")  # gone already
+    assert not c.release("p", key)  # gone already
     assert c.metrics.value("kvbridge_held_requests_released_total", {"why": "abandoned"}) == 1

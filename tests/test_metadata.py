@@ -294,7 +294,8 @@ def test_heads_per_rank_for_each_tp_size(total_kv_heads, tp_size, per_rank):
 
 GOLDEN = Path(__file__).parent / "data" / f"envelope-v{SCHEMA_VERSION}.hex"
 # schema version -> compat_hash of the golden Compat
-GOLDEN_COMPAT_HASH = {1: "f388ffd792931fc8217605661472e38f70c5995efed6acf51573c23a29849042"}
+GOLDEN_COMPAT_HASH = {1: "f388ffd792931fc8217605661472e38f70c5995efed6acf51573c23a29849042",
+                      2: "ba0d713f01f112dac065d51f4423939cc338b1648a89f46b8ff50bcebb023787"}
 
 
 def _golden_rank() -> tuple[Compat, RankMetadata]:
@@ -305,7 +306,8 @@ def _golden_rank() -> tuple[Compat, RankMetadata]:
                      total_kv_heads=4, head_dim=16, num_layers=2, layout="HND", block_size=4)
     return compat_, RankMetadata(engine_id="golden-engine", epoch="epoch-1", tp_rank=1,
                                  tp_size=2, agent_name="agent-golden-r1",
-                                 agent_metadata=b"NIXLMD\x00\x01\xfe\xff", kv=kv)
+                                 agent_metadata=b"NIXLMD\x00\x01\xfe\xff", kv=kv,
+                                 tags_addr=0x7E00_0000_0000)
 
 
 def test_golden_wire_vector():

@@ -14,6 +14,7 @@ continue from the transferred KV or to apply its failure policy.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from typing import Any
@@ -36,6 +37,7 @@ from kvbridge.errors import (
     LoadFailure,
 )
 from kvbridge.handshake import HandshakeServer, MetadataStore, make_client, make_server
+from kvbridge.kv_tags import block_tags
 from kvbridge.metadata import Compat, decode_rank
 from kvbridge.metrics import Metrics
 from kvbridge.params import KVTransferParams
@@ -52,6 +54,8 @@ def lease_margin(lease_seconds: float) -> float:
 class NixlSchedulerConnector:
     """Implements ``kvbridge.connector.base.SchedulerConnector``."""
 
+    tags_blocks = True  # peers READ our blocks: the engine keeps their tags (kvbridge.kv_tags)
+
     def __init__(self, *, engine_id: str, epoch: str, tp_size: int, total_kv_heads: int,
                  block_size: int, block_bytes: int, side_channel: SideChannelConfig,
                  lease_seconds: float = DEFAULT_LEASE_SECONDS, metrics: Metrics | None = None,
@@ -67,15 +71,17 @@ class NixlSchedulerConnector:
         self.recompute_on_failure = recompute_on_failure  # the engine's policy, for metrics
         self._loads = LoadAggregator(tp_size)
         self._sends = SendAggregator(tp_size, total_kv_heads)
-        # decode: requests awaiting KV -> (params, tokens to load, arrival time)
-        self._want: dict[str, tuple[KVTransferParams, int, float]] = {}
+        # decode: requests awaiting KV -> (params, blocks to load, arrival time, their tags)
+        self._want: dict[str, tuple[KVTransferParams, int, float, list[int]]] = {}
         self._new_loads: list[LoadSpec] = []
         self._cancelled: list[str] = []
-        self._releases: list[tuple[str, str]] = []  # decode: holds to give back unread
+        # decode: holds to give back unread, as (engine id, request id, hold key)
+        self._releases: list[tuple[str, str, str | None]] = []
         self._load_started: dict[str, float] = {}
         self._load_blocks: dict[str, int] = {}
         self._refused: dict[str, LoadFailure] = {}        # loads failed before reaching workers
         self._leases: dict[str, float] = {}               # prefill: request id -> lease deadline
+        self._hold_keys: dict[str, str] = {}              # prefill: request id -> hold key
         self._prewarms: dict[str, tuple[int, float]] = {}  # engine id -> (ranks left, deadline)
         self._prewarm_lock = threading.Lock()  # prewarms are announced from API threads
         self._abandoned: set[str] = set()  # held requests released from an API thread
@@ -176,18 +182,19 @@ class NixlSchedulerConnector:
         plan = params.check().plan_load(len(prompt_ids), self.block_size)
         if plan.num_tokens == 0:
             return 0
-        self._want[request_id] = (params, plan.num_blocks, time.monotonic())
+        tags = block_tags(prompt_ids, plan.num_tokens, self.block_size)
+        self._want[request_id] = (params, plan.num_blocks, time.monotonic(), tags)
         return plan.num_tokens
 
     def on_blocks_allocated(self, request_id: str, block_ids: list[int]) -> None:
         want = self._want.pop(request_id, None)
         if want is None:
             return
-        params, num_blocks, arrived = want
+        params, num_blocks, arrived, tags = want
         self._loads.expect(request_id)
         self._load_started[request_id] = time.monotonic()
         try:
-            spec = self._load_spec(request_id, params, block_ids[:num_blocks], arrived)
+            spec = self._load_spec(request_id, params, block_ids[:num_blocks], arrived, tags)
         except InvalidKVTransferParams as e:
             # Bad params fail this request alone, with a 400 (never recomputed).
             self._refused[request_id] = LoadFailure(FailureKind.INVALID_PARAMS, str(e))
@@ -196,7 +203,7 @@ class NixlSchedulerConnector:
         self._new_loads.append(spec)
 
     def _load_spec(self, request_id: str, p: KVTransferParams, local_blocks: list[int],
-                   arrived: float) -> LoadSpec:
+                   arrived: float, tags: list[int]) -> LoadSpec:
         try:
             method = self._method(p.handshake_method)
         except ValueError as e:
@@ -212,11 +219,13 @@ class NixlSchedulerConnector:
             remote_request_id=p.remote_request_id or request_id,
             remote_engine_id=str(p.remote_engine_id), remote_host=str(p.remote_host),
             remote_port=p.remote_port, remote_tp_size=p.tp_size or 1,
-            remote_epoch=p.remote_epoch, method=method, fence_seconds=fence)
+            remote_epoch=p.remote_epoch, method=method, fence_seconds=fence,
+            hold_key=p.remote_hold_key, expected_tags=tags[:len(local_blocks)])
 
     def on_refused(self, params: KVTransferParams) -> None:
         if params.loads_remote_kv and params.remote_engine_id and params.remote_request_id:
-            self._releases.append((params.remote_engine_id, params.remote_request_id))
+            self._releases.append((params.remote_engine_id, params.remote_request_id,
+                                   params.remote_hold_key))
 
     def build_worker_meta(self) -> WorkerMeta:
         meta = WorkerMeta(self._new_loads, self._cancelled, self._releases)
@@ -240,12 +249,13 @@ class NixlSchedulerConnector:
             for rid, err in self._loads.fold(wo.loaded, wo.failed).items():
                 out.loaded[rid] = err
                 self._record_load(rid, err)
-            for remote_rid, _, _ in [n for n in wo.notified if n[1] == RELEASE_RANK]:
+            notes = self._keyed(wo.notified)
+            for remote_rid, _, _ in [n for n in notes if n[1] == RELEASE_RANK]:
                 if remote_rid in self._leases:  # a decode will not read it
                     self._sends.forget(remote_rid)
                     out.released.add(self._release(remote_rid))
                     self.metrics.held_released.labels("abandoned").inc()
-            done = self._sends.fold(wo.tp_rank, [n for n in wo.notified if n[1] != RELEASE_RANK],
+            done = self._sends.fold(wo.tp_rank, [n for n in notes if n[1] != RELEASE_RANK],
                                     self._leases)
             for remote_rid in done:
                 out.released.add(self._release(remote_rid))
@@ -283,6 +293,7 @@ class NixlSchedulerConnector:
         if not held:
             return False, None
         self._leases[request_id] = time.monotonic() + self.lease_seconds
+        self._hold_keys[request_id] = key = secrets.token_hex(16)
         self.metrics.held_requests.inc()
         port = self.server.port if self.server is not None else self.side_channel.side_channel_port
         return True, KVTransferParams(
@@ -291,13 +302,17 @@ class NixlSchedulerConnector:
             remote_host=self.side_channel.advertised, remote_port=port, tp_size=self.tp_size,
             remote_epoch=self.epoch, handshake_method=self.side_channel.handshake_method,
             remote_num_tokens=num_computed_tokens,
-            remote_lease_ms=int(self.lease_seconds * 1000))
+            remote_lease_ms=int(self.lease_seconds * 1000), remote_hold_key=key)
 
-    def release(self, request_id: str) -> bool:
+    def release(self, request_id: str, hold_key: str | None) -> bool:
         """Free a held request's blocks now (nobody will read them: the decode refused the
         request or is gone). Thread-safe; the engine frees the blocks on its next step.
-        False when the request is not held (read already, expired, or unknown)."""
+        False when the request is not held (read already, expired, or unknown) or
+        ``hold_key`` is not the key its params carried (ignored, and counted)."""
         if request_id not in self._leases:
+            return False
+        if not _same_key(self._hold_keys.get(request_id), hold_key):
+            self.metrics.kv_notes_ignored.labels("bad_key").inc()
             return False
         with self._abandoned_lock:
             self._abandoned.add(request_id)
@@ -309,8 +324,23 @@ class NixlSchedulerConnector:
     def num_held(self) -> int:
         return len(self._leases)
 
+    def _keyed(self, notes: list[tuple[str, int, int, str | None]]
+               ) -> list[tuple[str, int, int]]:
+        """The notes that carry their hold's key; the others are ignored and counted (a
+        note for a request not held is dropped later, as before)."""
+        kept = []
+        for rid, rank, size, key in notes:
+            if rid in self._leases and not _same_key(self._hold_keys.get(rid), key):
+                self.metrics.kv_notes_ignored.labels("bad_key").inc()
+                log.warning("ignored a %s note for held request %s without its hold key",
+                            "release" if rank == RELEASE_RANK else "READ-done", rid[:128])
+                continue
+            kept.append((rid, rank, size))
+        return kept
+
     def _release(self, request_id: str) -> str:
         del self._leases[request_id]
+        self._hold_keys.pop(request_id, None)
         self.metrics.held_requests.dec()
         return request_id
 
@@ -324,6 +354,13 @@ class NixlSchedulerConnector:
             self.metrics.kv_load_seconds.observe(time.monotonic() - started)
         else:
             self.metrics.kv_loads.labels("failed").inc()
+            if err.kind is FailureKind.STALE:
+                self.metrics.kv_loads_stale.inc()
             if self.recompute_on_failure and not err.request_fault:
                 self.metrics.requests_recomputed.inc()
             log.warning("KV load of request %s failed: %s", rid, err)
+
+
+def _same_key(expected: str | None, given: str | None) -> bool:
+    return expected is None or (given is not None
+                                and secrets.compare_digest(expected.encode(), given.encode()))

@@ -36,7 +36,7 @@ from kvbridge.errors import (
 from kvbridge.handshake import HandshakeClient, make_client
 from kvbridge.metadata import compat_of, encode_rank
 from kvbridge.peers import Peer, PeerManager
-from kvbridge.transfer import NixlAgent, PendingRead
+from kvbridge.transfer import NixlAgent, PendingRead, RemoteRank
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class _Load:
     peer: Future[Peer]
     fence: float                    # monotonic: every READ must be over by then
     reads: list[PendingRead] | None = None   # None until the READs start
+    validating: bool = False        # the data READs are done; ``reads`` READ the block tags
+    ranks: list[RemoteRank] | None = None
     deadline: float = float("inf")  # the transfer timeout, once the READs started
     # Set when the load failed; it is reported only once no READ of it can still land.
     failure: LoadFailure | None = None
@@ -104,8 +106,8 @@ class NixlWorkerConnector:
                     load.failure = load.failure or LoadFailure(FailureKind.ABORTED, "cancelled")
             for spec in meta.loads:
                 self._start(spec)
-            for engine_id, remote_rid in meta.releases:
-                self._send_release(engine_id, remote_rid)
+            for engine_id, remote_rid, key in meta.releases:
+                self._send_release(engine_id, remote_rid, key)
         for rid, load in list(self._loads.items()):
             try:
                 ended = self._advance(load)
@@ -124,7 +126,8 @@ class NixlWorkerConnector:
             else:
                 out.failed[rid] = load.failure
                 # Every READ of it is over: the prefill need not hold the blocks any longer.
-                self._send_release(load.spec.remote_engine_id, load.spec.remote_request_id)
+                self._send_release(load.spec.remote_engine_id, load.spec.remote_request_id,
+                                   load.spec.hold_key)
         self._invalidate_idle_stale_peers()
         out.handshakes = [(e.engine_id, e.method, e.seconds, e.outcome)
                           for e in self.peers.drain_events()]
@@ -165,6 +168,15 @@ class NixlWorkerConnector:
 
     # -- helpers -----------------------------------------------------------------------------
 
+    def clear_block_tags(self, block_ids: list[int]) -> None:
+        """KV is about to be written into these blocks (see kvbridge.kv_tags)."""
+        assert self.agent is not None
+        self.agent.clear_tags(block_ids)
+
+    def set_block_tags(self, pairs: list[tuple[int, int]]) -> None:
+        assert self.agent is not None
+        self.agent.set_tags(pairs)
+
     def _client(self, method: str) -> HandshakeClient:
         if method not in self._clients:
             self._clients[method] = make_client(self.spec.side_channel, self._compat, method)
@@ -174,6 +186,9 @@ class NixlWorkerConnector:
         assert self.peers is not None
         fut = self.peers.connect(spec.remote_engine_id, spec.remote_host, spec.remote_port,
                                  spec.remote_tp_size, method=spec.method, epoch=spec.remote_epoch)
+        # The READ writes into these blocks: their old tags no longer name their content.
+        assert self.agent is not None
+        self.agent.clear_tags(spec.local_block_ids)
         # The handshake bounds itself; the READs get their own bound once they start.
         self._loads[spec.request_id] = _Load(spec, fut,
                                              fence=time.monotonic() + spec.fence_seconds)
@@ -203,13 +218,18 @@ class NixlWorkerConnector:
                 return LoadFailure(kind, f"handshake with {spec.remote_host}:"
                                          f"{spec.remote_port} failed: {exc}")
             peer = load.peer.result()
-            notif = encode_notif(spec.remote_request_id, self.tp_rank, self.tp_size)
+            # The prefill frees the blocks once every rank's note arrived: the note goes
+            # with the last READ (the tags', when the load is validated).
+            notif = encode_notif(spec.remote_request_id, self.tp_rank, self.tp_size,
+                                 spec.hold_key)
             load.reads = []
+            load.ranks = list(peer.ranks.values())
             load.deadline = now + self.spec.transfer_timeout
-            for rr in peer.ranks.values():
+            for rr in load.ranks:
                 try:
-                    load.reads.append(self.agent.read(rr, spec.local_block_ids,
-                                                      spec.remote_block_ids, notif))
+                    load.reads.append(self.agent.read(
+                        rr, spec.local_block_ids, spec.remote_block_ids,
+                        b"" if spec.expected_tags is not None else notif))
                 except InvalidBlockIds as e:
                     return LoadFailure(FailureKind.INVALID_PARAMS, f"remote_block_ids: {e}")
                 except KVBridgeError as e:
@@ -228,6 +248,10 @@ class NixlWorkerConnector:
             if state == "PROC":
                 still.append(pending)
         load.reads = still
+        if not still and spec.expected_tags is not None:
+            if not load.validating:
+                return self._read_tags(load)
+            return self._check_tags(load)
         if still and now > load.fence:
             return LoadFailure(FailureKind.TRANSFER, f"READ from {spec.remote_engine_id} not "
                                "done before the prefill's lease on the blocks ends")
@@ -237,7 +261,40 @@ class NixlWorkerConnector:
                                f"done in {self.spec.transfer_timeout:g}s")
         return None
 
-    def _send_release(self, engine_id: str, remote_request_id: str) -> None:
+    def _read_tags(self, load: _Load) -> LoadFailure | None:
+        """The blocks are here: READ their tags to learn whether they held our prompt's KV
+        for the whole READ (optimistic read, then validate; see kvbridge.kv_tags)."""
+        assert self.agent is not None and load.ranks is not None
+        spec = load.spec
+        notif = encode_notif(spec.remote_request_id, self.tp_rank, self.tp_size, spec.hold_key)
+        load.validating = True
+        try:
+            load.reads = [self.agent.read_tags(rr, spec.local_block_ids, spec.remote_block_ids,
+                                               notif) for rr in load.ranks]
+        except KVBridgeError as e:
+            self._drop_peer(spec.remote_engine_id)
+            return LoadFailure(FailureKind.TRANSFER, f"READ of the block tags from "
+                               f"{spec.remote_engine_id} could not start: {e}")
+        return None
+
+    def _check_tags(self, load: _Load) -> LoadFailure | None:
+        assert self.agent is not None and load.ranks is not None
+        spec = load.spec
+        expected = spec.expected_tags
+        for rr in load.ranks:
+            got = self.agent.tags_read(rr, spec.local_block_ids)
+            if got != expected:
+                bad = next(i for i, (g, e) in enumerate(zip(got, expected, strict=True))
+                           if g != e)
+                return LoadFailure(FailureKind.STALE, (
+                    f"remote block {spec.remote_block_ids[bad]} (position {bad}) of "
+                    f"{spec.remote_engine_id} rank {rr.meta.tp_rank} does not hold this "
+                    "prompt's KV (blocks reordered, another prompt, or the hold released "
+                    "and its blocks reused): the READ is not used"))
+        return None
+
+    def _send_release(self, engine_id: str, remote_request_id: str,
+                      hold_key: str | None) -> None:
         """Tell a prefill we will not read a request's blocks, over NIXL, when we have a
         working connection to it; otherwise its lease frees them."""
         assert self.agent is not None and self.peers is not None
@@ -246,7 +303,7 @@ class NixlWorkerConnector:
             return
         remote = next(iter(peer.ranks.values()))
         try:
-            self.agent.send_notification(remote, encode_release(remote_request_id))
+            self.agent.send_notification(remote, encode_release(remote_request_id, hold_key))
         except KVBridgeError as e:
             log.debug("release of %s on %s not sent: %s", remote_request_id, engine_id, e)
 

@@ -22,6 +22,7 @@ from kvbridge.engine.sampling import SampleSpec, SamplingParams
 from kvbridge.engine.scheduler import ScheduledBatch, Scheduler
 from kvbridge.engine.sequence import RequestOutput, Sequence
 from kvbridge.engine.workers import WorkerGroup
+from kvbridge.kv_tags import TagChain
 from kvbridge.model.attention import SeqChunk
 from kvbridge.model.loader import load_config, load_tokenizer, resolve_dtype
 from kvbridge.params import KVTransferParams
@@ -54,6 +55,8 @@ class LLMEngine:
         self.last_step_ran_model = False
         self.last_step_loaded = False  # a remote load completed: its request can run now
         self._seeds = random.Random()
+        # Connectors whose blocks peers READ ask for block tags (see kvbridge.kv_tags).
+        self._tags = bool(getattr(self.connector, "tags_blocks", False))
         self.workers = WorkerGroup(config, worker_connector_factory or _null_worker_connector)
 
     # -- requests ------------------------------------------------------------------------
@@ -130,13 +133,18 @@ class LLMEngine:
         return outputs
 
     def _step_input(self, batch: ScheduledBatch) -> StepInput:
-        chunks, samples = [], []
+        chunks, samples, tags = [], [], []
         for seq in batch.seqs:
             start = seq.num_cached_tokens
             chunks.append(SeqChunk(seq.token_ids[start:], start, list(seq.block_table)))
             sp = seq.sampling
             samples.append(SampleSpec(sp.temperature, sp.top_p, seq.seed, seq.num_output_tokens))
-        return StepInput(chunks, samples)
+            if self._tags:
+                if seq.tag_chain is None:
+                    seq.tag_chain = TagChain(self.config.block_size)
+                tags += [(seq.block_table[b], t) for b, t in
+                         seq.tag_chain.written(seq.token_ids, start, seq.num_tokens)]
+        return StepInput(chunks, samples, tags)
 
     def generate(self, prompts: list[list[int]] | list[str],
                  sampling: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:

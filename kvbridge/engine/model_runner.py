@@ -8,7 +8,7 @@ need everyone); rank 0 samples and returns the tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +30,8 @@ class StepInput:
 
     chunks: list[SeqChunk]
     samples: list[SampleSpec]
+    # (block id, tag) of every block this step writes KV into (see kvbridge.kv_tags)
+    block_tags: list[tuple[int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -59,7 +61,11 @@ class ModelRunner:
         connector_output = self.connector.step(meta)
         if step is None:
             return connector_output, None
+        if step.block_tags:  # cleared before the KV changes, set once it has
+            self.connector.clear_block_tags([b for b, _ in step.block_tags])
         logits = self.forward(step.chunks)
+        if step.block_tags:
+            self.connector.set_block_tags(step.block_tags)
         tokens = sample(logits, step.samples) if self.tp_rank == 0 else None
         return connector_output, tokens
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.errors import LoadFailure
+from kvbridge.kv_tags import TagChain
 from kvbridge.params import KVTransferParams
 
 
@@ -34,6 +35,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_remote_tokens = 0  # promised by the connector
         self.prefix_cached_tokens: int | None = None  # num_cached_tokens at the first prefill
+        self.tag_chain: TagChain | None = None  # block tags, when the connector wants them
         self.aborted = False  # abort requested while a remote load writes into our blocks
         # When each phase before the first token began (time.monotonic()): "arrived",
         # "load_started", "kv_loaded", "scheduled"; see ``RequestOutput.times``.

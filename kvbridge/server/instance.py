@@ -216,7 +216,8 @@ class Instance:
     async def _kv_release(self, request: Request) -> Response:
         """Free a held request's blocks at once: the decode refused the request or is
         unreachable, so nobody will read them. Body: the ``kv_transfer_params`` this prefill
-        returned (only ``remote_engine_id`` and ``remote_request_id`` are used)."""
+        returned (only ``remote_engine_id``, ``remote_request_id`` and ``remote_hold_key``
+        are used; without the hold's key the release is ignored and counted)."""
         if not (decision := self._authorized(request)).ok:
             return _error(401, "missing or invalid bearer token (the side-channel token)")
         # Only the two ids are read, as strings: a release must not fail because another
@@ -237,7 +238,8 @@ class Instance:
             shown = engine_id[:64] if isinstance(engine_id, str) else engine_id
             return _error(409, f"remote_engine_id {shown!r} is not this "
                                f"instance ({self.engine_id})")
-        released = self.connector.release(request_id)
+        key = body.get("remote_hold_key")
+        released = self.connector.release(request_id, key if isinstance(key, str) else None)
         self._audit(request, decision, f"released {request_id[:128]}" if released
                     else f"not held {request_id[:128]}")
         if released:
