@@ -212,10 +212,15 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--admin-token-file", default=os.environ.get("KVBRIDGE_ADMIN_TOKEN_FILE"),
                    help="file (mode 600) with the token /v1/fleet, /healthz/backends, "
                    "GET /v1/kv/prewarm and /metrics then need (Authorization: Bearer)")
-    x.add_argument("--admin-routes", choices=["open", "off"],
-                   default=os.environ.get("KVBRIDGE_ADMIN_ROUTES", "open"),
-                   help="off: no admin route on the user port (default open: open to every "
-                   "client of the proxy unless --admin-token-file)")
+    x.add_argument("--admin-routes", choices=["off", "token", "open"],
+                   default=os.environ.get("KVBRIDGE_ADMIN_ROUTES"),
+                   help="/v1/fleet, /healthz/backends, GET /v1/kv/prewarm on the user port: "
+                   "off, token (--admin-token-file) or open (default: token with "
+                   "--admin-token-file, else off)")
+    x.add_argument("--metrics-route", choices=["off", "token", "open"],
+                   default=os.environ.get("KVBRIDGE_METRICS_ROUTE"),
+                   help="/metrics on the user port, the same choices (default: as "
+                   "--admin-routes)")
 
     d = sub.add_parser("demo", help="prefill (TP 1) + decode + proxy over TLS on SmolLM2, "
                        "a few questions")
@@ -453,7 +458,7 @@ def _proxy(args: argparse.Namespace) -> int:
               kv_token=token, registry=registry, routing=args.routing,
               prefill_timeout=args.prefill_timeout,
               admin_token=read_token_file(args.admin_token_file) if args.admin_token_file
-              else None, admin_routes=args.admin_routes)
+              else None, admin_routes=args.admin_routes, metrics_route=args.metrics_route)
     return 0
 
 

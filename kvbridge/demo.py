@@ -192,7 +192,7 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 24,
             proxy = _start(procs, tmp, "proxy", "proxy", "--port", str(xp), "--prefill",
                            f"https://127.0.0.1:{pp}", "--decode", f"https://127.0.0.1:{dp}",
                            "--ca-certs", str(tmp / "ca.pem"), "--kv-token-file",
-                           str(tmp / "token"))
+                           str(tmp / "token"), "--admin-routes", "open")
             proxy.wait_healthy(f"http://127.0.0.1:{xp}/health", time.monotonic() + START_TIMEOUT)
             # The proxy has the decode handshake with the prefill before any request.
             prewarmed = _wait_prewarmed(proxy, f"http://127.0.0.1:{xp}/v1/kv/prewarm", client)

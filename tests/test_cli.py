@@ -136,6 +136,10 @@ def test_serve_refuses_a_bad_progress_delay():
                "-1"], {}, "first_byte_timeout"),
     ("proxy", ["--prefill", "http://a:1", "--decode", "http://b:2", "--prefill-timeout",
                "0"], {}, "--prefill-timeout"),
+    ("proxy", ["--prefill", "http://a:1", "--decode", "http://b:2", "--port", "0",
+               "--admin-routes", "token"], {}, "needs an admin token"),
+    ("proxy", ["--prefill", "http://a:1", "--decode", "http://b:2", "--port", "0"],
+     {"KVBRIDGE_METRICS_ROUTE": "public"}, "metrics route 'public'"),
 ])
 def test_connection_budgets_are_checked_at_start_up(command, args, env, message):
     out = _kvbridge(command, *args, env=env)

@@ -174,6 +174,7 @@ def _proxy(
     # The fakes have no /v1/kv/info: a prewarm would warm them up with a request of its
     # own, which the tests would count among the client's (prewarm has tests of its own).
     kwargs.setdefault("prewarm", False)
+    kwargs.setdefault("admin_routes", "open")  # the tests read /v1/fleet, /metrics, ...
     app = build_proxy_app([p.url for p in prefills], [d.url for d in decodes], **kwargs)
     return httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False)
 
@@ -338,7 +339,7 @@ def test_dead_prefill_fails_over(serve: Serve) -> None:
     (decode,) = _engines(serve, "decode", 1)
     dead = _closed_port_url()
     app = build_proxy_app([dead, alive.url], [decode.url], timeout=5.0, connect_timeout=2.0,
-                          prewarm=False)
+                          prewarm=False, admin_routes="open")
     with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
         for _ in range(4):
             r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
@@ -351,7 +352,7 @@ def test_dead_decode_fails_over_and_releases_the_hold(serve: Serve) -> None:
     (decode,) = _engines(serve, "decode", 1)
     dead = _closed_port_url()
     app = build_proxy_app([prefill.url], [dead, decode.url], timeout=5.0, connect_timeout=2.0,
-                          prewarm=False)
+                          prewarm=False, admin_routes="open")
     with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
         r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
         assert r.status_code == 200, r.text
@@ -387,7 +388,7 @@ def test_decode_dead_before_first_token_fails_over(serve: Serve, stream: bool) -
     with RawServer(_dies_after_headers) as dying:
         dead = f"http://127.0.0.1:{dying.port}"
         app = build_proxy_app([prefill.url], [dead, decode.url], timeout=5.0, connect_timeout=2.0,
-                              prewarm=False)
+                              prewarm=False, admin_routes="open")
         with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
             r = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
             assert r.status_code == 200, r.text
@@ -569,7 +570,7 @@ def test_models_and_health(serve: Serve) -> None:
         assert all(b["ok"] and b["status"] == 200 for b in body["prefill"] + body["decode"])
 
     dead = _closed_port_url()
-    app = build_proxy_app([prefill.url], [dead], connect_timeout=2.0)
+    app = build_proxy_app([prefill.url], [dead], connect_timeout=2.0, admin_routes="open")
     with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
         r = client.get("/healthz/backends")
         assert r.status_code == 503
@@ -771,7 +772,7 @@ def test_prewarm_refused_for_want_of_the_token_is_counted_and_logged(
 
     prefill_url = serve(Starlette(routes=[Route("/v1/kv/info", info)]))
     decode_url = serve(Starlette(routes=[Route("/v1/kv/prewarm", prewarm, methods=["POST"])]))
-    app = build_proxy_app([prefill_url], [decode_url])
+    app = build_proxy_app([prefill_url], [decode_url], admin_routes="open")
     with (
         caplog.at_level(logging.ERROR, logger="kvbridge.server.proxy"),
         httpx.Client(base_url=serve(app), timeout=10, trust_env=False) as client,

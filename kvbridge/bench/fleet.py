@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         proxy_port = free_port()
         proxy = f"http://127.0.0.1:{proxy_port}"
         procs["proxy"] = KVBridgeProcess(
-            "proxy", tmp, "proxy", "--registry", etcd.url, "--port", str(proxy_port), env=env
+            "proxy", tmp, "proxy", "--registry", etcd.url, "--port", str(proxy_port),
+            "--admin-routes", "open", env=env
         )
         deadline = time.monotonic() + START_TIMEOUT
         for n, u in urls.items():

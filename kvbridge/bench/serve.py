@@ -343,7 +343,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     procs[s]["proxy"] = KVBridgeProcess(
                         f"{s}-proxy", tmp, "proxy", "--port", str(ports[s]["proxy"]),
                         "--prefill", urls[s]["prefill"], "--decode", urls[s]["decode"],
-                        *proxy_args[s])
+                        "--admin-routes", "open", *proxy_args[s])
                 for s in ("pd", "pd_prewarmed"):
                     procs[s]["proxy"].wait_healthy(urls[s]["proxy"] + "/health", deadline)
                 t_ready = time.monotonic()

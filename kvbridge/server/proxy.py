@@ -682,14 +682,27 @@ class _Proxy:
         return JSONResponse(body, status_code=200 if healthy else 503)
 
 
-ADMIN_ROUTES = ("open", "off")
+ADMIN_ROUTES = ("off", "token", "open")
+
+
+def admin_modes(admin_routes: str | None, metrics_route: str | None,
+                admin_token: str | None) -> tuple[str, str]:
+    """(admin routes, /metrics) modes: ``off`` (not served), ``token`` (served behind
+    ``Authorization: Bearer <admin_token>``) or ``open``. Unset: ``token`` when an admin
+    token is given, else ``off``; ``/metrics`` follows the admin routes unless set."""
+    admin = admin_routes or ("token" if admin_token is not None else "off")
+    metrics = metrics_route or admin
+    for what, mode in (("admin routes", admin), ("metrics route", metrics)):
+        if mode not in ADMIN_ROUTES:
+            raise ConfigError(f"{what} {mode!r}: use one of {', '.join(ADMIN_ROUTES)}")
+        if mode == "token" and admin_token is None:
+            raise ConfigError(f"{what} 'token' needs an admin token (--admin-token-file)")
+    return admin, metrics
 
 
 def _admin_only(handler: Callable[[Request], Coroutine[Any, Any, Response]],
-                token: str | None) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-    """``handler`` behind ``Authorization: Bearer <token>`` (as is, without a token)."""
-    if token is None:
-        return handler
+                token: str) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+    """``handler`` behind ``Authorization: Bearer <token>``."""
 
     async def guarded(request: Request) -> Response:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -716,7 +729,8 @@ def build_proxy_app(
     routing: str = "least-outstanding",
     prefill_timeout: float | None = None,
     admin_token: str | None = None,
-    admin_routes: str = "open",
+    admin_routes: str | None = None,
+    metrics_route: str | None = None,
 ) -> Starlette:
     """The P/D proxy as a Starlette app.
 
@@ -730,9 +744,11 @@ def build_proxy_app(
     side-channel token the decodes require for that). ``prefill_timeout`` bounds the
     prefill hop alone (default: ``timeout``): past it the client gets a 504 saying so.
 
-    The admin routes (``/v1/fleet``, ``/healthz/backends``, ``GET /v1/kv/prewarm``,
-    ``/metrics``) need ``Authorization: Bearer <admin_token>`` when ``admin_token`` is
-    given; ``admin_routes="off"`` leaves them out of the app.
+    The admin routes (``/v1/fleet``, ``/healthz/backends``, ``GET /v1/kv/prewarm``) are
+    ``admin_routes``: ``"off"`` (not served), ``"token"`` (``Authorization: Bearer
+    <admin_token>``) or ``"open"``; default ``"token"`` with an ``admin_token``, else
+    ``"off"``. ``/metrics`` is ``metrics_route``, the same choices (default: as the admin
+    routes).
     """
     router = Router(routing)
     router.add_static("prefill", _check_urls("prefill", prefill_urls, registry is not None))
@@ -758,15 +774,16 @@ def build_proxy_app(
         Route("/v1/models", proxy.models, methods=["GET"]),
         Route("/health", proxy.health, methods=["GET"]),
     ]
-    if admin_routes not in ADMIN_ROUTES:
-        raise ConfigError(f"admin routes {admin_routes!r}: use one of {ADMIN_ROUTES}")
-    if admin_routes != "off":
-        # What the fleet looks like, and the proxy's counters: for operators, not users.
-        routes += [Route(path, _admin_only(handler, admin_token), methods=["GET"])
-                   for path, handler in (("/healthz/backends", proxy.backends_health),
-                                         ("/v1/kv/prewarm", proxy.prewarm_status),
-                                         ("/metrics", proxy.metrics),
-                                         ("/v1/fleet", proxy.fleet))]
+    # What the fleet looks like, and the proxy's counters: for operators, not users.
+    admin, metrics = admin_modes(admin_routes, metrics_route, admin_token)
+    for mode, paths in ((admin, (("/healthz/backends", proxy.backends_health),
+                                 ("/v1/kv/prewarm", proxy.prewarm_status),
+                                 ("/v1/fleet", proxy.fleet))),
+                        (metrics, (("/metrics", proxy.metrics),))):
+        if mode != "off":
+            routes += [Route(path, handler if mode == "open" or admin_token is None
+                             else _admin_only(handler, admin_token), methods=["GET"])
+                       for path, handler in paths]
     app = Starlette(routes=routes, lifespan=proxy.lifespan)
     app.state.proxy = proxy
     return app
@@ -791,7 +808,8 @@ def run_proxy(
     routing: str = "least-outstanding",
     prefill_timeout: float | None = None,
     admin_token: str | None = None,
-    admin_routes: str = "open",
+    admin_routes: str | None = None,
+    metrics_route: str | None = None,
 ) -> None:
     """Serve the proxy with uvicorn until interrupted.
 
@@ -811,6 +829,7 @@ def run_proxy(
         prefill_timeout=prefill_timeout,
         admin_token=admin_token,
         admin_routes=admin_routes,
+        metrics_route=metrics_route,
     )
     scheme = "https" if ssl_certfile else "http"
     print(

@@ -104,7 +104,7 @@ def run_vllm_demo(questions: list[str] | None = None, max_tokens: int = 32) -> i
             proxy = f"http://127.0.0.1:{xp}"
             proxy_proc = KVBridgeProcess("proxy", tmp, "proxy", "--port", str(xp), "--prefill",
                                          servers["prefill"].url, "--decode",
-                                         servers["decode"].url)
+                                         servers["decode"].url, "--admin-routes", "open")
             proxy_proc.wait_healthy(proxy + "/health", time.monotonic() + 120)
             with httpx.Client(trust_env=False) as client:
                 pairs = _wait_prewarmed(client, proxy)

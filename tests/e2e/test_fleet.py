@@ -132,6 +132,8 @@ def fleet(tmp_path_factory) -> Iterator[dict]:
             etcd.url,
             "--port",
             str(port),
+            "--admin-routes",  # the tests read /v1/fleet, /v1/kv/prewarm and /metrics
+            "open",
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             log_level="info",
         )

@@ -62,6 +62,8 @@ class Proxy(KVBridgeProcess):
 def _side_channel(engine: Serve) -> int:
     r = httpx.get(engine.url + "/v1/kv/info", verify=engine.verify, timeout=30)
     return r.json()["side_channel_port"]
+            "--admin-routes",  # the freeze test reads /healthz/backends
+            "open",
 
 
 @pytest.fixture(scope="module")

@@ -110,7 +110,7 @@ def test_refused_requests_leave_nothing_held(cluster, small_prefill, certs, toke
     p, d = small_prefill, cluster["d1"]
     start = p.metric("kvbridge_blocks_free")
     app = build_proxy_app([p.url], [d.url], ca_certs=str(certs / "ca.pem"),
-                          kv_token=token_file.read_text(), prewarm=False)
+                          kv_token=token_file.read_text(), prewarm=False, metrics_route="open")
     dead = build_proxy_app([p.url], [f"http://127.0.0.1:{free_port()}"],
                            ca_certs=str(certs / "ca.pem"), kv_token=token_file.read_text(),
                            prewarm=False)

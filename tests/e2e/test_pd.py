@@ -24,7 +24,7 @@ CONFIGS = [(1, 1), (1, 2), (2, 1), (2, 2)]
 
 def _proxy(cluster, certs, prefill: str, decode: str) -> BackgroundServer:
     app = build_proxy_app([cluster[prefill].url], [cluster[decode].url],
-                          ca_certs=str(certs / "ca.pem"))
+                          ca_certs=str(certs / "ca.pem"), metrics_route="open")
     return BackgroundServer(app)
 
 

@@ -45,7 +45,7 @@ def _rss_mib(pid: int) -> float:
 def _proxy(p, d, certs: Path, token: str) -> BackgroundServer:
     """The proxy as deployed: https to the engines, the side-channel token for prewarm."""
     return BackgroundServer(build_proxy_app([p.url], [d.url], ca_certs=str(certs / "ca.pem"),
-                                            kv_token=token))
+                                            kv_token=token, admin_routes="open"))
 
 
 # The suite's per-test timeout is 300 s: the long form needs its duration on top.

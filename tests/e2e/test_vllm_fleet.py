@@ -77,7 +77,7 @@ def proxy(instances, etcd: EtcdProcess, token_file, tmp_path_factory: pytest.Tem
     port = free_port()
     p = KVBridgeProcess("proxy", tmp_path_factory.mktemp("proxy"), "proxy", "--port", str(port),
                         "--registry", etcd.url, "--kv-token-file", str(token_file),
-                        log_level="info")
+                        "--admin-routes", "open", log_level="info")
     url = f"http://127.0.0.1:{port}"
     try:
         p.wait_healthy(url + "/health", time.monotonic() + 120)
