@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import trustme
 
 from kvbridge.launch import KVBridgeProcess, free_port, read_metric
+from kvbridge.testing.certs import issue, new_ca
 
 PROMPTS = [
     "The side channel carries metadata, the data plane carries KV blocks.",
@@ -86,10 +86,7 @@ def resolve_model(model: str) -> DemoModel:
 
 
 def _write_certs(d: Path) -> None:
-    ca = trustme.CA()
-    ca.cert_pem.write_to_path(str(d / "ca.pem"))
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    cert.private_key_and_cert_chain_pem.write_to_path(str(d / "server.pem"))
+    issue(new_ca(d), d, "server", "127.0.0.1", "localhost", combined=True)
     token = d / "token"
     token.write_text(os.urandom(16).hex())
     token.chmod(0o600)

@@ -1,4 +1,6 @@
-"""Helpers shared by the benchmarks: child processes, /proc readings, certificates, plots."""
+"""Helpers shared by the benchmarks: child processes, /proc readings, ``--quick`` sizes,
+plots. Certificates come from ``kvbridge.testing.certs``, the load from
+``kvbridge.bench.load``."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import select
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -96,16 +97,11 @@ def load_average() -> list[float]:
         return []
 
 
-def write_certs(d: Path) -> Path:
-    """A throw-away CA and a server certificate for 127.0.0.1 (trustme)."""
-    import trustme
-
-    ca = trustme.CA()
-    ca.cert_pem.write_to_path(str(d / "ca.pem"))
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    cert.cert_chain_pems[0].write_to_path(str(d / "server.pem"))
-    cert.private_key_pem.write_to_path(str(d / "server.key"))
-    return d
+def apply_quick(args: Any, sizes: dict[str, Any]) -> None:
+    """``--quick``: set a benchmark's tiny smoke-test ``sizes`` (its ``QUICK``) on ``args``."""
+    if getattr(args, "quick", False):
+        for name, value in sizes.items():
+            setattr(args, name, value)
 
 
 def pyplot():

@@ -18,18 +18,21 @@ import argparse
 import os
 import signal
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvbridge.bench.common import progress, pyplot
+from kvbridge.bench.common import apply_quick, progress, pyplot
+from kvbridge.bench.load import ClosedLoop
 from kvbridge.bench.report import goal_lines
 from kvbridge.launch import KVBridgeProcess, free_port
+from kvbridge.testing.prometheus import read_samples
+from kvbridge.testing.wait import wait_until
 
 START_TIMEOUT = 180.0
+QUICK = {"clients": 4, "steady_seconds": 3.0, "max_tokens": 4}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,55 +47,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
 
 
-class _Load:
-    def __init__(self, url: str, clients: int, max_tokens: int):
-        self.url, self.max_tokens = url, max_tokens
-        self.done: list[tuple[float, bool]] = []  # (end time, ok)
-        self.error_samples: list[str] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)
-        ]
+def _completions(url: str, clients: int, max_tokens: int) -> ClosedLoop:
+    """Closed-loop clients posting completions to ``url``, one kept-alive client each."""
 
-    def _run(self, i: int) -> None:
-        with httpx.Client(timeout=120, trust_env=False) as c:
-            n = 0
-            while not self._stop.is_set():
-                body = {
-                    "model": "kvbridge-tiny",
-                    "prompt": f"client {i} request {n}: the "
-                    "fleet keeps answering while its members come and go.",
-                    "max_tokens": self.max_tokens,
-                    "temperature": 0,
-                }
-                try:
-                    r = c.post(self.url + "/v1/completions", json=body)
-                    ok, why = r.status_code == 200, f"{r.status_code}: {r.text[:200]}"
-                except httpx.HTTPError as e:
-                    ok, why = False, repr(e)
-                with self._lock:
-                    self.done.append((time.monotonic(), ok))
-                    if not ok and len(self.error_samples) < 5:
-                        self.error_samples.append(why)
-                n += 1
+    def request(i: int, n: int, c: httpx.Client) -> str | None:
+        body = {"model": "kvbridge-tiny", "prompt": f"client {i} request {n}: the "
+                "fleet keeps answering while its members come and go.",
+                "max_tokens": max_tokens, "temperature": 0}
+        try:
+            r = c.post(url + "/v1/completions", json=body)
+        except httpx.HTTPError as e:
+            return repr(e)
+        return None if r.status_code == 200 else f"{r.status_code}: {r.text[:200]}"
 
-    def count(self, since: float, until: float | None = None) -> tuple[int, int]:
-        """(requests, errors) that ended in [since, until)."""
-        until = until or float("inf")
-        with self._lock:
-            window = [ok for t, ok in self.done if since <= t < until]
-        return len(window), window.count(False)
-
-    def start(self) -> _Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(150)
+    return ClosedLoop(clients, request,
+                      session=lambda: httpx.Client(timeout=120, trust_env=False))
 
 
 def _fleet(c: httpx.Client, proxy: str) -> dict:
@@ -112,32 +81,27 @@ def _etcd_ops(c: httpx.Client, port: int) -> dict[str, float]:
         "etcd_debugging_lease_renewed_total": "keepalives",
     }
     out = {"reads": 0.0, "writes": 0.0, "keepalives": 0.0}
-    for line in c.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in wanted:
-            out[wanted[name]] += float(value)
+    samples = read_samples(c, f"http://127.0.0.1:{port}")
+    for name, kind in wanted.items():
+        out[kind] += samples.get(name, 0.0)
     return out
 
 
 def _poll(cond, timeout: float, what: str, every: float = 0.01) -> float:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not within {timeout}s: {what}")
-        time.sleep(every)
+    """``wait_until``, returning when the condition held (monotonic)."""
+    wait_until(cond, timeout, what, every=every)
     return time.monotonic()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvbridge.testing.etcd import EtcdProcess
 
-    if args.quick:
-        args.clients, args.steady_seconds, args.max_tokens = 4, 3.0, 4
+    apply_quick(args, QUICK)
     env = {**os.environ}
     tmp = Path(tempfile.mkdtemp(prefix="kvbridge-bench-fleet-"))
     etcd = EtcdProcess(log_dir=tmp).start()
     procs: dict[str, KVBridgeProcess] = {}
-    load: _Load | None = None
+    load: ClosedLoop | None = None
 
     def serve(name: str, role: str) -> tuple[KVBridgeProcess, str]:
         port = free_port()
@@ -185,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "the proxy sees all four",
             0.05,
         )
-        load = _Load(proxy, args.clients, args.max_tokens).start()
+        load = _completions(proxy, args.clients, args.max_tokens).start()
 
         # 1. steady state: registry calls per request
         progress(f"fleet: steady window of {args.steady_seconds:g}s")
@@ -232,7 +196,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t_routed = _poll(routed, 30, "d2 routed to")
         load.stop()
         total_n, total_err = load.count(0)
-        timeline = [(t - t_kill, ok) for t, ok in load.done]
+        timeline = [(t - t_kill, ok) for t, ok in load.timeline]
     finally:
         if load is not None:
             load.stop()
@@ -272,7 +236,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "totals": {
             "requests": total_n,
             "client_errors": total_err,
-            "error_samples": load.error_samples,
+            "error_samples": load.errors[:5],
         },
         "timeline": {
             "kill_at": 0.0,

@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvbridge.bench.common import Child, idle_cpu, load_average, progress, pyplot, write_certs
+from kvbridge.bench.common import Child, apply_quick, idle_cpu, load_average, progress, pyplot
 from kvbridge.bench.peer import BENCH_MODEL, kv_shape_args, make_agents
 from kvbridge.bench.report import goal_lines, percentiles
+from kvbridge.testing.certs import write_certs
 
 METHODS = ("zmq", "http", "https")
 TOKEN = "bench-" + "x" * 26
@@ -38,9 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     kv_shape_args(p)
 
 
-def _quick(args: argparse.Namespace) -> None:
-    args.warm, args.warmup, args.cold = 30, 5, 3
-    args.layers, args.num_blocks = 4, 8
+QUICK = {"warm": 30, "warmup": 5, "cold": 3, "layers": 4, "num_blocks": 8}
 
 
 def _config(method: str, certs: Path):
@@ -104,8 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvbridge.metadata import compat_of
     from kvbridge.tp_mapping import plan_reads
 
-    if args.quick:
-        _quick(args)
+    apply_quick(args, QUICK)
     rng = random.Random(0)
     load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-") as t:

@@ -25,21 +25,25 @@ agents used to spin a core each; ``--spin-baseline`` also measures an engine sta
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from kvbridge.bench.common import load_average, proc_stats, progress, pyplot
-from kvbridge.bench.report import goal_lines, percentiles
-from kvbridge.launch import KVBridgeProcess, free_port, read_metric
+from kvbridge.bench.common import apply_quick, load_average, proc_stats, progress
+from kvbridge.bench.load import run_closed_loop, stream_completion
+from kvbridge.bench.report import percentiles
+from kvbridge.bench.serve_metrics import breakdown, metric, snapshot, transfer_totals
+from kvbridge.bench.serve_report import SWEPT, plot, summary
+from kvbridge.launch import KVBridgeProcess, free_port
+from kvbridge.testing.wait import wait_until
+
+__all__ = ["add_arguments", "plot", "run", "summary"]
 
 START_TIMEOUT = 180.0
 SETUPS = ("pd", "pd_prewarmed", "mono")
-SWEPT = ("pd", "mono")  # the concurrency sweep skips pd_prewarmed (its first request is the point)
+QUICK = {"concurrency": "1,2", "prompt_tokens": 16, "output_tokens": 4, "requests": 2}
 TRANSFER_SLACK_MS = 3.0  # goal: P/D TTFT <= monolithic TTFT + 3 ms + the KV transfer
 
 
@@ -57,17 +61,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "smollm2-135m-instruct (default: the built-in tiny model)")
     p.add_argument("--no-spin-baseline", dest="spin_baseline", action="store_false",
                    help="skip the idle-CPU check of an engine with the progress delay at 0")
-
-
-def _quick(args: argparse.Namespace) -> None:
-    args.concurrency, args.prompt_tokens, args.output_tokens, args.requests = "1,2", 16, 4, 2
-
-
-def _metric(client, url: str, name: str) -> float:
-    try:
-        return read_metric(client, url, name)
-    except Exception:  # an engine that died mid-run: the figure is missing, not zero
-        return float("nan")
 
 
 class _Model:
@@ -107,61 +100,25 @@ def _model_path(model: str | None) -> Path | None:
     return prepare(model)
 
 
-async def _one(client, url: str, model: _Model, prompt: list[int],
-               max_tokens: int) -> dict[str, Any]:
-    body = {"model": model.name, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first = last = None
-    chunks = 0
-    usage: dict[str, int] = {}
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"status {r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk.get("choices"):
-                now = time.perf_counter()
-                first = first if first is not None else now
-                last = now
-                chunks += 1
-    end = time.perf_counter()
-    tokens = usage.get("completion_tokens", chunks)
-    if first is None:
-        raise RuntimeError("no tokens streamed")
-    return {"ttft": first - t0, "latency": end - t0, "tokens": tokens,
-            "prompt_tokens": usage.get("prompt_tokens", 0),
-            "itl": (last - first) / (tokens - 1) if tokens > 1 else None}
+def _level(url: str, concurrency: int, requests: int, args: argparse.Namespace,
+           seed: int) -> dict[str, Any]:
+    """A closed loop of streamed completions (``ignore_eos``, exact output length)."""
+    model: _Model = args.served
 
-
-async def _level(url: str, concurrency: int, requests: int, args: argparse.Namespace,
-                 seed: int) -> dict[str, Any]:
-    import httpx
-
-    results: list[dict[str, Any]] = []
-    errors: list[str] = []
-    counter = iter(range(requests))
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=300, limits=limits, trust_env=False) as client:
-        async def worker() -> None:
-            for i in counter:
-                try:
-                    results.append(await _one(client, url, args.served,
-                                              args.served.prompt(args.prompt_tokens, seed + i),
-                                              args.output_tokens))
-                except Exception as e:
-                    errors.append(f"{type(e).__name__}: {e}"[:200])
-
+    async def send(client, i: int) -> dict[str, Any]:
+        body = {"model": model.name, "prompt": model.prompt(args.prompt_tokens, seed + i),
+                "max_tokens": args.output_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
+        got = await stream_completion(client, url + "/v1/completions", body)
+        end = time.perf_counter()
+        tokens = got["usage"].get("completion_tokens", got["chunks"])
+        return {"ttft": got["first"] - t0, "latency": end - t0, "tokens": tokens,
+                "prompt_tokens": got["usage"].get("prompt_tokens", 0),
+                "itl": (got["last"] - got["first"]) / (tokens - 1) if tokens > 1 else None}
+
+    loop = run_closed_loop(concurrency, requests, send)
+    results, errors, wall = loop.results, loop.errors, loop.seconds
     tokens = sum(r["tokens"] for r in results)
     itls = [r["itl"] for r in results if r["itl"] is not None]
     return {"concurrency": concurrency, "requests": len(results), "errors": len(errors),
@@ -181,10 +138,10 @@ def _first_two(client, url: str, args: argparse.Namespace, decode_url: str | Non
     """The first request after start-up and the second one, one at a time."""
     out: dict[str, Any] = {}
     for label in ("first", "second"):
-        hs0 = _metric(client, decode_url, "kvbridge_handshake_seconds_sum") \
+        hs0 = metric(client, decode_url, "kvbridge_handshake_seconds_sum") \
             if decode_url else float("nan")
-        r = asyncio.run(_level(url, 1, 1, args, seed=10_000 + len(out)))
-        hs1 = _metric(client, decode_url, "kvbridge_handshake_seconds_sum") \
+        r = _level(url, 1, 1, args, seed=10_000 + len(out))
+        hs1 = metric(client, decode_url, "kvbridge_handshake_seconds_sum") \
             if decode_url else float("nan")
         if r["requests"] != 1:
             raise RuntimeError(f"{label} request to {url} failed: {r['error_samples']}")
@@ -204,16 +161,16 @@ def _idle_cpus(procs: dict[str, KVBridgeProcess], seconds: float) -> dict[str, f
 
 def _wait_prewarm(client, proxy_url: str, deadline: float) -> dict[str, Any]:
     """Poll the proxy's ``GET /v1/kv/prewarm`` until it reports done; every pair must be ok."""
-    while True:
+    def status() -> dict[str, Any] | None:
         st = client.get(proxy_url + "/v1/kv/prewarm", timeout=5).json()
-        if st["done"]:
-            bad = [x for x in st["pairs"] if x["outcome"] != "ok"]
-            if bad or not st["pairs"]:
-                raise RuntimeError(f"proxy prewarm failed: {st}")
-            return st
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"proxy prewarm not done in time: {st}")
-        time.sleep(0.05)
+        return st if st["done"] else None
+
+    st = wait_until(status, max(0.0, deadline - time.monotonic()), "proxy prewarm done",
+                    every=0.05)
+    bad = [x for x in st["pairs"] if x["outcome"] != "ok"]
+    if bad or not st["pairs"]:
+        raise RuntimeError(f"proxy prewarm failed: {st}")
+    return st
 
 
 def _spin_baseline(tmp: Path, side: list[str]) -> float:
@@ -229,78 +186,12 @@ def _spin_baseline(tmp: Path, side: list[str]) -> float:
         proc.stop()
 
 
-PHASES = ("queue", "kv_load", "after_load", "first_step", "time_to_first_token")
-
-
-def _samples(client, url: str) -> dict[str, float]:
-    """Every sample of ``url``'s Prometheus ``/metrics`` (empty if it cannot be read)."""
-    try:
-        text = client.get(url + "/metrics", timeout=10).text
-    except Exception:
-        return {}
-    out = {}
-    for line in text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if key and not line.startswith("#"):
-            out[key] = float(value)
-    return out
-
-
-def _snapshot(client, urls: dict[str, str]) -> dict[str, dict[str, float]]:
-    return {k: _samples(client, u) for k, u in urls.items()}
-
-
-def _mean_ms(a: dict[str, float], b: dict[str, float], name: str) -> float:
-    """Mean of histogram ``name`` (a ``..._sum``/``..._count`` pair, labels included in
-    ``name``'s braces) over what was observed between snapshots ``a`` and ``b``."""
-    base, _, labels = name.partition("{")
-    labels = "{" + labels if labels else ""
-    n = b.get(f"{base}_count{labels}", 0.0) - a.get(f"{base}_count{labels}", 0.0)
-    s = b.get(f"{base}_sum{labels}", 0.0) - a.get(f"{base}_sum{labels}", 0.0)
-    return 1000 * s / n if n > 0 else float("nan")
-
-
-def _breakdown(setup: str, a: dict[str, dict[str, float]], b: dict[str, dict[str, float]],
-               ttft_mean_ms: float) -> dict[str, float]:
-    """The level's mean TTFT split into named parts that add up to it: the engines' own
-    phases (``kvbridge_request_phase_seconds``), the proxy's prefill hop, and the rest
-    (HTTP hops, the proxy's and the API's own work, the stream's relay) as the remainder."""
-    def phase(role: str, p: str) -> float:
-        return _mean_ms(a[role], b[role], f'kvbridge_request_phase_seconds{{phase="{p}"}}')
-
-    if setup == "mono":
-        engine = {p: phase("mono", p) for p in ("queue", "first_step")}
-        rest = ttft_mean_ms - phase("mono", "time_to_first_token")
-        return {"engine_queue": engine["queue"], "engine_first_step": engine["first_step"],
-                "api_and_http_remainder": rest, "ttft_mean": ttft_mean_ms}
-    hop = _mean_ms(a["proxy"], b["proxy"], "kvbridge_proxy_prefill_seconds")
-    prefill_engine = phase("prefill", "time_to_first_token")
-    decode = {p: phase("decode", p) for p in PHASES}
-    return {
-        "prefill_hop": hop,  # the proxy's own timing of the whole prefill request
-        "prefill_hop_engine_part": prefill_engine,  # of which in the prefill's engine
-        "decode_queue": decode["queue"],
-        "kv_load": decode["kv_load"],
-        "decode_after_load": decode["after_load"],
-        "first_decode_step": decode["first_step"],
-        "proxy_and_http_remainder": ttft_mean_ms - hop - decode["time_to_first_token"],
-        "ttft_mean": ttft_mean_ms,
-    }
-
-
-def _transfer_ms(client, decode_url: str) -> tuple[float, float, float]:
-    return (_metric(client, decode_url, "kvbridge_kv_load_seconds_sum"),
-            _metric(client, decode_url, "kvbridge_kv_load_seconds_count"),
-            _metric(client, decode_url, "kvbridge_kv_bytes_loaded_total"))
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
     from kvbridge._nixl import PROGRESS_DELAY_US
 
-    if args.quick:
-        _quick(args)
+    apply_quick(args, QUICK)
     args.levels = [int(x) for x in str(args.concurrency).split(",")]
     args.served = model = _Model(args.model, args.dtype)
     load_before = load_average()
@@ -350,7 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 prewarm = _wait_prewarm(client, urls["pd_prewarmed"]["proxy"], deadline)
                 prewarm_wait = time.monotonic() - t_ready
                 startup = time.monotonic() - t_start
-                ahead_ms = 1000 * _metric(client, urls["pd_prewarmed"]["decode"],
+                ahead_ms = 1000 * metric(client, urls["pd_prewarmed"]["decode"],
                                           "kvbridge_handshake_seconds_sum")
                 time.sleep(1.0)  # let start-up work settle before the idle reading
                 flat = {f"{s}/{k}": p for s in SETUPS for k, p in procs[s].items()}
@@ -371,15 +262,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for s in SWEPT:
                         cpu0 = {k: proc_stats(p.proc.pid)["cpu_seconds"]
                                 for k, p in procs[s].items()}
-                        kv0 = _transfer_ms(client, urls[s]["decode"]) if s == "pd" else None
-                        snap0 = _snapshot(client, urls[s])
-                        r = asyncio.run(_level(target[s], c, n, args, seed=1000 * c))
-                        r["ttft_breakdown_ms"] = _breakdown(s, snap0, _snapshot(client, urls[s]),
+                        kv0 = transfer_totals(client, urls[s]["decode"]) if s == "pd" else None
+                        snap0 = snapshot(client, urls[s])
+                        r = _level(target[s], c, n, args, seed=1000 * c)
+                        r["ttft_breakdown_ms"] = breakdown(s, snap0, snapshot(client, urls[s]),
                                                             r.pop("ttft_mean_ms"))
                         r["cpu_seconds"] = {k: proc_stats(p.proc.pid)["cpu_seconds"] - cpu0[k]
                                             for k, p in procs[s].items()}
                         if kv0 is not None:  # the decode's own timing of the KV loads
-                            kv1 = _transfer_ms(client, urls[s]["decode"])
+                            kv1 = transfer_totals(client, urls[s]["decode"])
                             loads = kv1[1] - kv0[1]
                             r["kv_loads"] = loads
                             r["kv_load_ms_mean"] = (1000 * (kv1[0] - kv0[0]) / loads
@@ -441,81 +332,3 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_mib": peak,
         "load_average": {"before": load_before, "after": load_average()},
     }
-
-
-def summary(r: dict[str, Any]) -> str:
-    f = r["first_requests"]
-    lines = [f"first request: P/D TTFT {f['pd']['first']['ttft_ms']:.1f} ms "
-             f"(decode handshake {f['pd']['first']['decode_handshake_ms']:.1f} ms), second "
-             f"{f['pd']['second']['ttft_ms']:.1f} ms; P/D prewarmed first "
-             f"{f['pd_prewarmed']['first']['ttft_ms']:.1f} ms, second "
-             f"{f['pd_prewarmed']['second']['ttft_ms']:.1f} ms; monolithic first "
-             f"{f['mono']['first']['ttft_ms']:.1f} ms, second {f['mono']['second']['ttft_ms']:.1f}"
-             " ms",
-             "idle CPU s/s: " + ", ".join(f"{k} {v:.3f}" for k, v in r["idle_cpu_per_s"].items()),
-             f"model {r['config']['model']}: KV {r['config']['kv_bytes_per_token']} bytes "
-             "per token",
-             "setup conc  TTFT p50/p99 ms    ITL p50/p99 ms   tok/s  errors"]
-    for setup in SWEPT:
-        for x in r["results"][setup]:
-            lines.append(f"{setup:<5} {x['concurrency']:>4} {x['ttft_ms']['p50']:>7.1f} "
-                         f"{x['ttft_ms']['p99']:>7.1f}  {x['itl_ms']['p50']:>7.2f} "
-                         f"{x['itl_ms']['p99']:>7.2f} {x['tokens_per_s']:>7.0f} {x['errors']:>7}")
-    for x in r["results"]["pd"]:
-        if "kv_bytes_per_request" in x:
-            lines.append(f"pd x{x['concurrency']}: KV read per request "
-                         f"{x['kv_bytes_per_request'] / 1024:.0f} KiB in "
-                         f"{x['kv_load_ms_mean']:.1f} ms (decode's mean kv_load)")
-    for setup in SWEPT:
-        for x in r["results"][setup]:
-            parts = ", ".join(f"{k} {v:.1f}" for k, v in x["ttft_breakdown_ms"].items())
-            lines.append(f"{setup} x{x['concurrency']} mean TTFT breakdown (ms): {parts}")
-    for o in r["pd_over_mono"]:
-        lines.append(f"P/D / mono at {o['concurrency']}: TTFT p50 x{o['ttft_p50']:.2f}, "
-                     f"ITL p50 x{o['itl_p50']:.2f}, tokens/s x{o['tokens_per_s']:.2f}")
-    return "\n".join(lines + goal_lines(r))
-
-
-def plot(r: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 4, figsize=(19, 4.4))
-    names = {"pd": "P/D (prefill + decode + proxy)", "mono": "monolithic (--role both)"}
-    for g in r["goals"]:  # the TTFT budget at 1 in flight
-        axes[0].plot([1], [g["value"]["budget_ms"]], "k_", ms=18, mew=2,
-                     label="goal at 1 in flight")
-    # Mean TTFT at the lowest level, split into its named parts.
-    bottom = {s: 0.0 for s in SWEPT}
-    low = {s: r["results"][s][0] for s in SWEPT}
-    for setup in SWEPT:
-        for part, ms in low[setup]["ttft_breakdown_ms"].items():
-            if part in ("ttft_mean", "prefill_hop_engine_part") or ms != ms:  # NaN: absent
-                continue
-            axes[3].bar(setup, ms, bottom=bottom[setup], label=f"{setup}: {part}")
-            axes[3].text(setup, bottom[setup] + ms / 2, f"{part} {ms:.1f}", ha="center",
-                         va="center", fontsize=6)
-            bottom[setup] += ms
-    axes[3].set(ylabel="ms", title=f"mean TTFT, {low['pd']['concurrency']} in flight, by part")
-    for setup in SWEPT:
-        rows = r["results"][setup]
-        xs = [x["concurrency"] for x in rows]
-        for q, style in (("p50", "o-"), ("p99", "s--")):
-            axes[0].plot(xs, [x["ttft_ms"][q] for x in rows], style, label=f"{setup} {q}")
-            axes[1].plot(xs, [x["itl_ms"][q] for x in rows], style, label=f"{setup} {q}")
-        axes[2].plot(xs, [x["tokens_per_s"] for x in rows], "o-", label=names[setup])
-    for ax, title, ylabel in ((axes[0], "time to first token", "ms"),
-                              (axes[1], "inter-token latency", "ms"),
-                              (axes[2], "output throughput", "tokens / s")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("requests in flight")
-        ax.set_title(title)
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
-    f = r["first_requests"]
-    fig.suptitle(f"kvbridge serve, {r['config']['model']}, prompt {r['config']['prompt_tokens']} / output "
-                 f"{r['config']['output_tokens']} tokens; P/D first request TTFT "
-                 f"{f['pd']['first']['ttft_ms']:.0f} ms (handshake), prewarmed "
-                 f"{f['pd_prewarmed']['first']['ttft_ms']:.0f} ms, second "
-                 f"{f['pd']['second']['ttft_ms']:.0f} ms")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

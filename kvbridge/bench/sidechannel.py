@@ -35,8 +35,9 @@ from typing import Any
 
 import uvloop
 
-from kvbridge.bench.common import Child, idle_cpu, load_average, progress, pyplot, write_certs
+from kvbridge.bench.common import Child, apply_quick, idle_cpu, load_average, progress, pyplot
 from kvbridge.bench.report import goal_lines, percentiles
+from kvbridge.testing.certs import write_certs
 
 TOKEN = "bench-" + "y" * 26
 PATH = "/v1/kv/handshake"
@@ -52,8 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "server on core 1 (apt-get install wrk)")
 
 
-def _quick(args: argparse.Namespace) -> None:
-    args.concurrency, args.duration = "8,32", 0.4
+QUICK = {"concurrency": "8,32", "duration": 0.4}
 
 
 class _Level:
@@ -251,8 +251,7 @@ def _wrk_level(url: str, n: int, duration: float, timeout: float, script: Path,
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.quick:
-        _quick(args)
+    apply_quick(args, QUICK)
     levels = [int(x) for x in str(args.concurrency).split(",")]
     schemes = [s for s in args.schemes.split(",") if s]
     from kvbridge._nixl import PROGRESS_DELAY_US

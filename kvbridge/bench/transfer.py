@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.bench.common import Child, idle_cpu, load_average, progress, pyplot
+from kvbridge.bench.common import Child, apply_quick, idle_cpu, load_average, progress, pyplot
 from kvbridge.bench.peer import pattern
 from kvbridge.bench.report import goal_lines
 
@@ -51,9 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tcp", dest="tcp", action="store_false", help="skip the TCP baseline")
 
 
-def _quick(args: argparse.Namespace) -> None:
-    args.blocks, args.block_sizes = "1,64", "65536"
-    args.min_seconds, args.min_iters, args.max_iters = 0.0, 2, 3
+QUICK = {"blocks": "1,64", "block_sizes": "65536", "min_seconds": 0.0, "min_iters": 2,
+         "max_iters": 3}
 
 
 def _repeat(fn, args: argparse.Namespace) -> tuple[float, int]:
@@ -101,8 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from kvbridge._nixl import PROGRESS_DELAY_US, new_agent, nixl_api
 
-    if args.quick:
-        _quick(args)
+    apply_quick(args, QUICK)
     blocks = [int(x) for x in str(args.blocks).split(",")]
     sizes = [int(x) for x in str(args.block_sizes).split(",")]
     max_blocks, max_size = max(blocks), max(sizes)

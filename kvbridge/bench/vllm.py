@@ -29,7 +29,6 @@ https within 1.5x of native zmq).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import tempfile
@@ -39,9 +38,11 @@ from typing import Any
 
 import httpx
 
-from kvbridge.bench.common import load_average, progress, pyplot, write_certs
+from kvbridge.bench.common import apply_quick, load_average, progress, pyplot
+from kvbridge.bench.load import run_closed_loop, stream_completion
 from kvbridge.bench.report import goal_lines, percentiles
 from kvbridge.net import free_port
+from kvbridge.testing.certs import write_certs
 from kvbridge.vllm.launch import VllmServer
 
 SETUPS = ("native", "zmq", "http", "https")
@@ -49,6 +50,7 @@ START_TIMEOUT = 1200.0  # a pair of vLLM servers on a busy 2-core machine
 COLD_HTTPS_GOAL = 1.5  # cold https handshake <= 1.5x native zmq
 PROMPT = ("Explain in a few sentences why a decode instance reads the prompt's KV cache from "
           "a prefill instance instead of computing it again. Request {i}.")
+QUICK = {"requests": 3, "throughput_requests": 8, "fetches": 20, "output_tokens": 4}
 GET_META_MSG = b"get_meta_msg"  # vLLM 0.32's zmq handshake request tag
 
 
@@ -63,11 +65,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-tokens", type=int, default=16)
 
 
-def _quick(args: argparse.Namespace) -> None:
-    args.requests, args.throughput_requests, args.fetches = 3, 8, 20
-    args.output_tokens = 4
-
-
 def _model(args: argparse.Namespace) -> str:
     if args.model:
         return args.model
@@ -79,57 +76,29 @@ def _model(args: argparse.Namespace) -> str:
 # --- one P/D request with vLLM's protocol -------------------------------------------
 
 
-async def _pd(client: httpx.AsyncClient, prefill: str, decode: str, model: str, i: int,
-              max_tokens: int) -> dict[str, Any]:
-    body = {"model": model, "prompt": PROMPT.format(i=i), "temperature": 0}
-    t0 = time.perf_counter()
-    r = await client.post(prefill + "/v1/completions", json={
-        **body, "max_tokens": 1, "stream": False,
-        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                               "remote_engine_id": None, "remote_block_ids": None,
-                               "remote_host": None, "remote_port": None}})
-    if r.status_code != 200:
-        raise RuntimeError(f"prefill {r.status_code}: {r.text[:200]}")
-    params = r.json().get("kv_transfer_params")
-    first = last = None
-    tokens = 0
-    async with client.stream("POST", decode + "/v1/completions", json={
-            **body, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "kv_transfer_params": params}) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"decode {resp.status_code}: {(await resp.aread())[:200]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            if json.loads(line[6:]).get("choices"):
-                last = time.perf_counter()
-                first = first if first is not None else last
-                tokens += 1
-    if first is None:
-        raise RuntimeError("decode streamed no token")
-    return {"ttft": first - t0, "latency": last - t0, "tokens": tokens}
-
-
-async def _closed_loop(prefill: str, decode: str, model: str, concurrency: int, n: int,
-                       max_tokens: int, seed: int) -> dict[str, Any]:
-    results: list[dict[str, Any]] = []
-    errors: list[str] = []
-    todo = iter(range(n))
-    async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
-        async def worker() -> None:
-            for i in todo:
-                try:
-                    results.append(await _pd(client, prefill, decode, model, seed + i,
-                                             max_tokens))
-                except Exception as e:
-                    errors.append(f"{type(e).__name__}: {e}"[:200])
-
+def _closed_loop(prefill: str, decode: str, model: str, concurrency: int, n: int,
+                 max_tokens: int, seed: int) -> dict[str, Any]:
+    async def send(client: httpx.AsyncClient, i: int) -> dict[str, Any]:
+        body = {"model": model, "prompt": PROMPT.format(i=seed + i), "temperature": 0}
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
+        r = await client.post(prefill + "/v1/completions", json={
+            **body, "max_tokens": 1, "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                   "remote_engine_id": None, "remote_block_ids": None,
+                                   "remote_host": None, "remote_port": None}})
+        if r.status_code != 200:
+            raise RuntimeError(f"prefill {r.status_code}: {r.text[:200]}")
+        got = await stream_completion(client, decode + "/v1/completions", {
+            **body, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "kv_transfer_params": r.json().get("kv_transfer_params")})
+        return {"ttft": got["first"] - t0, "latency": got["last"] - t0,
+                "tokens": got["chunks"]}
+
+    loop = run_closed_loop(concurrency, n, send)
+    results, wall = loop.results, loop.seconds
     tokens = sum(r["tokens"] for r in results)
-    return {"concurrency": concurrency, "requests": len(results), "errors": len(errors),
-            "error_samples": errors[:3], "tokens_per_s": tokens / wall if wall else 0.0,
+    return {"concurrency": concurrency, "requests": len(results), "errors": len(loop.errors),
+            "error_samples": loop.errors[:3], "tokens_per_s": tokens / wall if wall else 0.0,
             "ttft_ms": percentiles([r["ttft"] for r in results], (50, 99))}
 
 
@@ -230,13 +199,13 @@ def _setup(setup: str, model: str, tmp: Path, args: argparse.Namespace) -> dict[
         prefill, decode = servers["prefill"].url, servers["decode"].url
         name = httpx.get(prefill + "/v1/models", trust_env=False).json()["data"][0]["id"]
 
-        first = asyncio.run(_closed_loop(prefill, decode, name, 1, 1, args.output_tokens, 0))
+        first = _closed_loop(prefill, decode, name, 1, 1, args.output_tokens, 0)
         if first["requests"] != 1:
             raise RuntimeError(f"{setup}: first P/D request failed: {first['error_samples']}")
-        one = asyncio.run(_closed_loop(prefill, decode, name, 1, args.requests,
-                                       args.output_tokens, 100))
-        eight = asyncio.run(_closed_loop(prefill, decode, name, 8, args.throughput_requests,
-                                         args.output_tokens, 1000))
+        one = _closed_loop(prefill, decode, name, 1, args.requests,
+                                       args.output_tokens, 100)
+        eight = _closed_loop(prefill, decode, name, 8, args.throughput_requests,
+                                         args.output_tokens, 1000)
         side = ports["prefill"]
         if setup in ("native", "zmq"):
             cold = _fetch_zmq(side, args.fetches, warm=False)
@@ -278,8 +247,7 @@ def _vllm_version() -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.quick:
-        _quick(args)
+    apply_quick(args, QUICK)
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
     unknown = sorted(set(setups) - set(SETUPS))
     if unknown:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from kvbridge.bench.common import write_certs
 from kvbridge.launch import KVBridgeProcess, free_port, read_metric
+from kvbridge.testing.certs import write_certs
 from kvbridge.vllm.launch import VllmServer
 
 QUESTIONS = [
