@@ -1,5 +1,6 @@
-"""Binding listening ports: a port in use is a configuration error that names its setting;
-picking a free port for a child process to bind later."""
+"""Binding listening ports (``listen_socket``: one helper for the side-channel servers): a
+port in use is a configuration error that names its setting; picking a free port for a
+child process to bind later."""
 
 from __future__ import annotations
 
@@ -41,6 +42,22 @@ def bind_socket(host: str, port: int, setting: str) -> socket.socket:
     try:
         sock.bind((host.strip("[]"), port))
     except (OSError, OverflowError) as e:  # OverflowError: a port beyond 65535
+        sock.close()
+        raise bind_error(host, port, setting, e) from None
+    return sock
+
+
+def listen_socket(host: str, port: int, setting: str, backlog: int = 2048) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening, for a server to take over: the
+    port is known at once (0 picks a free one) and connections that arrive before the
+    server runs wait in the backlog instead of being refused. ``IPPROTO_TCP`` rather than
+    0: asyncio sets ``TCP_NODELAY`` only on sockets that say TCP (with Nagle on, every
+    keep-alive reply waits ~40 ms for the peer's delayed ACK). A failure is the one-line
+    ``ConfigError`` of ``bind_socket``."""
+    sock = bind_socket(host, port, setting)
+    try:
+        sock.listen(backlog)
+    except OSError as e:
         sock.close()
         raise bind_error(host, port, setting, e) from None
     return sock

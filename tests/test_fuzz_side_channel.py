@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge.config import TLSConfig
-from kvbridge.handshake.http import HttpHandshakeClient, HttpHandshakeServer
+from kvbridge.handshake.http_client import HttpHandshakeClient
+from kvbridge.handshake.http_server import HttpHandshakeServer
 from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer, ZmqReply
 from tests.helpers import compat, full_store
 

@@ -14,7 +14,8 @@ import torch
 
 from kvbridge.errors import AuthError, EpochChanged, HandshakeError, TransferError
 from kvbridge.handshake.base import HandshakeClient, HandshakeServer
-from kvbridge.handshake.http import HttpHandshakeClient, HttpHandshakeServer
+from kvbridge.handshake.http_client import HttpHandshakeClient
+from kvbridge.handshake.http_server import HttpHandshakeServer
 from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer
 from kvbridge.kv_cache import allocate_kv_cache
 from kvbridge.metadata import KVLayout, compat_of

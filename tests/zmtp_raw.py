@@ -15,14 +15,39 @@ def frame(body: bytes, more: bool = False, command: bool = False) -> bytes:
     return bytes([flags, len(body)]) + body
 
 
-READY = frame(b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER", command=True)
+def ready(socket_type: bytes) -> bytes:
+    """The READY command of a ``socket_type`` socket."""
+    return frame(b"\x05READY\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type,
+                 command=True)
 
 
-def connect(host: str, port: int, timeout: float = 30.0) -> socket.socket:
+READY = ready(b"DEALER")
+
+
+def connect(host: str, port: int, timeout: float = 30.0,
+            socket_type: bytes = b"DEALER") -> socket.socket:
     """A connection past the greeting and READY, ready for message frames."""
     s = socket.create_connection((host, port), timeout=timeout)
-    s.sendall(GREETING + READY)
+    s.sendall(GREETING + ready(socket_type))
     return s
+
+
+def recv_exactly(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("closed")
+        out += chunk
+    return out
+
+
+def accept_as_router(conn: socket.socket) -> None:
+    """The server side of the handshake, as a ROUTER: greeting and READY exchanged, and the
+    client's request read (up to what arrived with its READY)."""
+    conn.sendall(GREETING + ready(b"ROUTER"))
+    recv_exactly(conn, 64)
+    conn.recv(65536)
 
 
 def send_until_closed(s: socket.socket, frame_bytes: int, max_frames: int) -> int:

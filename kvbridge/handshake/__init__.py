@@ -10,7 +10,8 @@ from kvbridge.config import SIDE_CHANNEL_PORT_SETTING, SideChannelConfig
 from kvbridge.errors import ConfigError
 from kvbridge.handshake.authz import Authorizer
 from kvbridge.handshake.base import HandshakeClient, HandshakeServer, MetadataStore, Observer
-from kvbridge.handshake.http import HttpHandshakeClient, HttpHandshakeServer
+from kvbridge.handshake.http_client import HttpHandshakeClient
+from kvbridge.handshake.http_server import HttpHandshakeServer
 from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer
 from kvbridge.metadata import Compat
 from kvbridge.net import bind_error

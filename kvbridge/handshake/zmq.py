@@ -2,22 +2,21 @@
 
 Request: ``ZmqRequest`` (schema version, token, tp_rank or None for all ranks).
 Reply: ``ZmqReply`` (HTTP-style status, error text, envelope bytes). The
-envelope is the same as over http. ZMQ here has no TLS: see docs/security.md. The server
-speaks ZMTP itself (``_zmtp``) to bound what one peer's message can make it hold.
+envelope is the same as over http. ZMQ here has no TLS: see docs/security.md. Both ends
+speak ZMTP themselves (``kvbridge.handshake.zmtp``) to bound what a peer's message can make
+them hold: a request of at most ``MAX_REQUEST_BYTES``, a reply of at most
+``max_message_bytes`` plus ``REPLY_OVERHEAD``, ``MAX_FRAMES`` frames either way.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import time
 
 import msgspec
-import zmq
 
+from kvbridge.config import SIDE_CHANNEL_PORT_SETTING
 from kvbridge.errors import HandshakeTimeout, WireFormatError
 from kvbridge.guard import ConnectionBudget
-from kvbridge.handshake._zmtp import ZmtpListener
 from kvbridge.handshake.base import (
     MAX_REQUEST_BYTES,
     HandshakeClient,
@@ -27,7 +26,9 @@ from kvbridge.handshake.base import (
     Reply,
     token_ok,
 )
+from kvbridge.handshake.zmtp import MAX_FRAMES, ZmtpListener, zmtp_request
 from kvbridge.metadata import SCHEMA_VERSION
+from kvbridge.net import listen_socket
 
 log = logging.getLogger(__name__)
 
@@ -49,30 +50,24 @@ _reply_decoder = msgspec.msgpack.Decoder(ZmqReply)
 _encoder = msgspec.msgpack.Encoder()
 
 
-def _tcp(host: str, port: int) -> str:
-    return f"tcp://[{host.strip('[]')}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+# Room in a reply for its status, error text and msgpack framing around the envelope.
+REPLY_OVERHEAD = 1024
 
 
 class ZmqHandshakeServer(HandshakeServer):
-    """Answers DEALER/REQ clients with our own ZMTP listener (``_zmtp``) rather than a
-    libzmq ROUTER: libzmq does not bound how many frames a message has."""
+    """Answers DEALER/REQ clients with our own ZMTP listener (``ZmtpListener``) rather than
+    a libzmq ROUTER: libzmq does not bound how many frames a message has."""
 
     method = "zmq"
 
     def __init__(self, store: MetadataStore, host: str, port: int, *, token: str | None = None,
-                 observer: Observer | None = None, budget: ConnectionBudget | None = None):
+                 observer: Observer | None = None, budget: ConnectionBudget | None = None,
+                 setting: str = SIDE_CHANNEL_PORT_SETTING):
+        """``setting`` names what chose the port, for the error when it cannot be bound."""
         self._store = store
         self._observer = observer
         self._token = token
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host.strip("[]"), port))
-            self._sock.listen(2048)
-        except OSError:
-            self._sock.close()
-            raise
+        self._sock = listen_socket(host, port, setting)
         self._port = self._sock.getsockname()[1]
         # A request is a delimiter and a payload of at most MAX_REQUEST_BYTES.
         self._listener = ZmtpListener(self._sock, self._answer,
@@ -86,6 +81,11 @@ class ZmqHandshakeServer(HandshakeServer):
     def dropped(self) -> int:
         """Peers dropped for a message over the size or frame limit."""
         return self._listener.dropped
+
+    @property
+    def wrong_type(self) -> int:
+        """Peers refused for a socket type other than REQ or DEALER."""
+        return self._listener.wrong_type
 
     def start(self) -> None:
         self._listener.start()
@@ -125,31 +125,27 @@ class ZmqHandshakeServer(HandshakeServer):
 
 
 class ZmqHandshakeClient(HandshakeClient):
+    """A DEALER over ``zmtp_request``: one connection per fetch, the reply bounded in frames
+    (``MAX_FRAMES``) and bytes (``max_message_bytes`` + ``REPLY_OVERHEAD``) as it arrives."""
+
     method = "zmq"
 
     def _request(self, host: str, port: int, tp_rank: int | None, deadline: float) -> Reply:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        where = f"zmq://{host}:{port}"
+        request = _encoder.encode(ZmqRequest(SCHEMA_VERSION, self.token, tp_rank))
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            # Replies over the limit are dropped by libzmq; they then look like no reply.
-            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes + 1024)
-            if ":" in host:
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(_tcp(host, port))  # zmq reconnects by itself until the deadline
-            sock.send_multipart([b"", _encoder.encode(
-                ZmqRequest(SCHEMA_VERSION, self.token, tp_rank))])
-            left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-            if not sock.poll(left_ms, zmq.POLLIN):
-                raise HandshakeTimeout(
-                    f"zmq handshake with {host}:{port}: no reply within {self.timeout:g}s "
-                    f"(peer down, not answering, or reply over {self.max_message_bytes} bytes)")
-            frames = sock.recv_multipart()
-        finally:
-            sock.close(linger=0)
+            frames = zmtp_request(host, port, [b"", request], deadline=deadline,
+                                  max_bytes=self.max_message_bytes + REPLY_OVERHEAD,
+                                  max_frames=MAX_FRAMES, where=where,
+                                  limit_name=f"max_message_bytes {self.max_message_bytes} + "
+                                             f"{REPLY_OVERHEAD} for the reply's framing")
+        except HandshakeTimeout as e:
+            raise HandshakeTimeout(f"zmq handshake with {host}:{port}: not complete within "
+                                   f"{self.timeout:g}s ({e})") from None
         try:
             reply = _reply_decoder.decode(frames[-1])
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            raise WireFormatError(f"zmq://{host}:{port}: malformed reply: {e}") from None
+            raise WireFormatError(f"{where}: malformed reply: {e}") from None
         if len(reply.envelope) > self.max_message_bytes:
-            raise WireFormatError(f"zmq://{host}:{port}: reply exceeds {self.max_message_bytes} B")
+            raise WireFormatError(f"{where}: reply exceeds {self.max_message_bytes} B")
         return Reply(reply.status, reply.envelope, reply.error)

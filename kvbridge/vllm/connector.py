@@ -47,7 +47,8 @@ from kvbridge.config import SIDE_CHANNEL_PORT_SETTING
 from kvbridge.errors import ConfigError
 from kvbridge.handshake.authz import Authorizer
 from kvbridge.handshake.base import HandshakeClient, HandshakeServer
-from kvbridge.handshake.http import HttpHandshakeClient, HttpHandshakeServer
+from kvbridge.handshake.http_client import HttpHandshakeClient
+from kvbridge.handshake.http_server import HttpHandshakeServer
 from kvbridge.handshake.payloads import FetchedPayloads, PayloadStore, Rank, fetch_payloads
 from kvbridge.net import bind_error
 from kvbridge.vllm.settings import PluginSettings, load_settings

@@ -17,17 +17,18 @@ for every rank on one connection within one deadline and caps the reply's size.
 
 from __future__ import annotations
 
-import socket
 import time
 
 import msgspec
 import zmq
 
+from kvbridge.config import SIDE_CHANNEL_PORT_SETTING
 from kvbridge.errors import HandshakeTimeout, PeerMismatch, WireFormatError
 from kvbridge.guard import ConnectionBudget
-from kvbridge.handshake._zmtp import ZmtpListener
 from kvbridge.handshake.base import MAX_REQUEST_BYTES, HandshakeServer
 from kvbridge.handshake.payloads import FetchedPayloads, Rank
+from kvbridge.handshake.zmtp import ZmtpListener
+from kvbridge.net import listen_socket
 
 GET_META_MSG = b"get_meta_msg"
 
@@ -46,17 +47,11 @@ class VllmZmqServer(HandshakeServer):
     method = "zmq"
 
     def __init__(self, payloads: dict[Rank, bytes], host: str, port: int, *,
-                 budget: ConnectionBudget | None = None):
+                 budget: ConnectionBudget | None = None,
+                 setting: str = SIDE_CHANNEL_PORT_SETTING):
+        """``setting`` names what chose the port, for the error when it cannot be bound."""
         self._payloads = dict(payloads)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host.strip("[]"), port))
-            self._sock.listen(2048)
-        except OSError:
-            self._sock.close()
-            raise
+        self._sock = listen_socket(host, port, setting)
         self.requests = 0
         self.refused = 0
         self._listener = ZmtpListener(self._sock, self._answer, max_bytes=MAX_REQUEST_BYTES,

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from kvbridge.config import TLSConfig
-from kvbridge.handshake.http import HttpHandshakeClient
+from kvbridge.handshake.http_client import HttpHandshakeClient
 from kvbridge.handshake.zmq import ZmqHandshakeClient
 from kvbridge.launch import KVBridgeProcess, free_port
 from tests import zmtp_raw
@@ -62,8 +62,6 @@ class Proxy(KVBridgeProcess):
 def _side_channel(engine: Serve) -> int:
     r = httpx.get(engine.url + "/v1/kv/info", verify=engine.verify, timeout=30)
     return r.json()["side_channel_port"]
-            "--admin-routes",  # the freeze test reads /healthz/backends
-            "open",
 
 
 @pytest.fixture(scope="module")

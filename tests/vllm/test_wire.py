@@ -14,7 +14,8 @@ import pytest
 import zmq
 
 from kvbridge.errors import AuthError, ConfigError, HandshakeTimeout, PeerMismatch, WireFormatError
-from kvbridge.handshake.http import HttpHandshakeClient, HttpHandshakeServer
+from kvbridge.handshake.http_client import HttpHandshakeClient
+from kvbridge.handshake.http_server import HttpHandshakeServer
 from kvbridge.handshake.payloads import PayloadStore, fetch_payloads
 from kvbridge.metadata import (
     PayloadEnvelope,
