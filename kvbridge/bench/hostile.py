@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
     from kvbridge.config import TLSConfig
-    from kvbridge.handshake.http import HttpHandshakeClient
+    from kvbridge.handshake.http_client import HttpHandshakeClient
     from kvbridge.handshake.zmq import ZmqHandshakeClient
 
     apply_quick(args, QUICK)
