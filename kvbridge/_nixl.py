@@ -8,7 +8,7 @@ import sys
 import threading
 from typing import Any
 
-from kvbridge.errors import ConfigError
+from kvbridge.settings import SETTINGS
 
 
 def nixl_api():
@@ -29,15 +29,8 @@ def nixl_api():
 
 
 def _progress_delay_us() -> int:
-    raw = os.environ.get("KVBRIDGE_NIXL_PROGRESS_DELAY_US", "") or "1000"
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ConfigError(f"KVBRIDGE_NIXL_PROGRESS_DELAY_US={raw!r}: expected a whole number "
-                          "of microseconds >= 0 (0: NIXL's default, a busy-polling thread)")
-    return value
+    # KVBRIDGE_NIXL_PROGRESS_DELAY_US (kvbridge/settings/tree.py); a bad value: ConfigError
+    return SETTINGS.from_env("nixl_progress_delay_us")
 
 
 # Microseconds NIXL's progress thread sleeps between polls. nixl's Python wrapper

@@ -5,55 +5,39 @@ Every setting is printed once at start-up by ``describe()`` (secrets redacted).
 
 from __future__ import annotations
 
-import ipaddress
-import os
 import ssl
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.metadata import DEFAULT_MAX_MESSAGE_BYTES
+from kvbridge.settings import (
+    HANDSHAKE_METHODS,
+    SETTINGS,
+    SIDE_CHANNEL_PORT_SETTING,
+    ConnectionBudget,
+    is_loopback,
+    is_wildcard,
+    name_label,
+)
+from kvbridge.settings.core import Label
 
-METHODS = ("zmq", "http", "etcd")
+METHODS = HANDSHAKE_METHODS
 
 # -- serving defaults: the one place flags, InstanceOptions, EngineConfig and build_engine
-# take them from -------------------------------------------------------------------------
-DEFAULT_NUM_BLOCKS = 256        # KV blocks per worker
-DEFAULT_BLOCK_SIZE = 16         # tokens per block
-DEFAULT_LEASE_SECONDS = 30.0    # prefill: held blocks are freed after this even if unread
-DEFAULT_TRANSFER_TIMEOUT = 30.0  # decode: seconds a started READ may take (within the lease)
+# take them from (the settings tree's) -----------------------------------------------------
+DEFAULT_NUM_BLOCKS: int = SETTINGS["num_blocks"].default  # KV blocks per worker
+DEFAULT_BLOCK_SIZE: int = SETTINGS["block_size"].default  # tokens per block
+# prefill: held blocks are freed after this even if unread
+DEFAULT_LEASE_SECONDS: float = SETTINGS["kv_lease_seconds"].default
+# decode: seconds a started READ may take (within the lease)
+DEFAULT_TRANSFER_TIMEOUT: float = SETTINGS["transfer_timeout"].default
+DEFAULT_NODE_TIMEOUT: float = SETTINGS["node_timeout"].default
 
-# setting -> environment names, ours first, then the vLLM alias
-ENV_NAMES: dict[str, tuple[str, ...]] = {
-    "handshake_method": ("KVBRIDGE_HANDSHAKE_METHOD", "VLLM_NIXL_HANDSHAKE_METHOD"),
-    "handshake_timeout": ("KVBRIDGE_HANDSHAKE_TIMEOUT", "VLLM_NIXL_HANDSHAKE_TIMEOUT"),
-    "side_channel_host": ("KVBRIDGE_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_HOST"),
-    "side_channel_port": ("KVBRIDGE_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_PORT"),
-    "advertise_host": ("KVBRIDGE_ADVERTISE_HOST",),
-    "token": ("KVBRIDGE_SIDE_CHANNEL_TOKEN",),
-    "token_file": ("KVBRIDGE_SIDE_CHANNEL_TOKEN_FILE",),
-    "ssl_certfile": ("KVBRIDGE_SSL_CERTFILE",),
-    "ssl_keyfile": ("KVBRIDGE_SSL_KEYFILE",),
-    "ssl_ca_certs": ("KVBRIDGE_SSL_CA_CERTS",),
-    "ssl_cert_reqs": ("KVBRIDGE_SSL_CERT_REQS",),
-    "max_message_bytes": ("KVBRIDGE_MAX_MESSAGE_BYTES",),
-    "registry": ("KVBRIDGE_REGISTRY",),
-    "registry_ca_certs": ("KVBRIDGE_REGISTRY_CA_CERTS",),
-    "registry_certfile": ("KVBRIDGE_REGISTRY_CERTFILE",),
-    "registry_keyfile": ("KVBRIDGE_REGISTRY_KEYFILE",),
-    "tokens_file": ("KVBRIDGE_SIDE_CHANNEL_TOKENS_FILE",),
-    "ssl_allowed_peers": ("KVBRIDGE_SSL_ALLOWED_PEERS",),
-    "audit_log": ("KVBRIDGE_AUDIT_LOG",),
-}
-
-# How a port-in-use error names the side-channel port setting.
-SIDE_CHANNEL_PORT_SETTING = "--side-channel-port / KVBRIDGE_SIDE_CHANNEL_PORT"
-
-_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED,
-              "0": ssl.CERT_NONE, "1": ssl.CERT_OPTIONAL, "2": ssl.CERT_REQUIRED}
+__all__ = ["SIDE_CHANNEL_PORT_SETTING", "MultiNodeConfig", "SideChannelConfig", "TLSConfig",
+           "parse_cert_reqs", "read_token_file"]
 
 
 @dataclass(frozen=True)
@@ -82,20 +66,28 @@ class TLSConfig:
         return ctx
 
 
+def _d(name: str) -> Any:
+    return SETTINGS[name].default
+
+
 @dataclass(frozen=True)
 class SideChannelConfig:
-    handshake_method: str = "zmq"
-    handshake_timeout: float = 10.0
-    side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 5600
+    """The side channel's settings: the tree's ``side_channel`` group (docs/configuration.md),
+    plus ``budget``, the connection budget its server runs under (None: the tree's, from
+    the environment, with ``side_channel_keep_alive_timeout``)."""
+
+    handshake_method: str = _d("handshake_method")
+    handshake_timeout: float = _d("handshake_timeout")
+    side_channel_host: str = _d("side_channel_host")
+    side_channel_port: int = _d("side_channel_port")
     advertise_host: str | None = None
     token: str | None = None
     token_file: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None
-    ssl_cert_reqs: int = ssl.CERT_NONE
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    ssl_cert_reqs: int = _d("ssl_cert_reqs")
+    max_message_bytes: int = _d("max_message_bytes")
     # etcd (etcd://HOST:PORT): where the ``etcd`` method publishes and reads metadata
     registry: str | None = None
     registry_ca_certs: str | None = None
@@ -108,23 +100,24 @@ class SideChannelConfig:
     tokens_file: str | None = None
     ssl_allowed_peers: str | None = None
     audit_log: str | None = None
+    side_channel_keep_alive_timeout: float = _d("side_channel_keep_alive_timeout")
+    budget: ConnectionBudget | None = field(default=None, repr=False)
 
     @classmethod
     def load(cls, flags: Mapping[str, Any] | None = None,
-             environ: Mapping[str, str] | None = None) -> SideChannelConfig:
-        """Flags (non-None values) win over the environment, which wins over defaults."""
-        environ = os.environ if environ is None else environ
-        flags = flags or {}
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            if flags.get(f.name) is not None:
-                values[f.name] = flags[f.name]
-                continue
-            for env in ENV_NAMES.get(f.name, ()):
-                if environ.get(env, "") != "":
-                    values[f.name] = environ[env]
-                    break
-        return cls(**_coerce(values)).validated()
+             environ: Mapping[str, str] | None = None, label: Label = name_label,
+             budget: ConnectionBudget | None = None) -> SideChannelConfig:
+        """Flags (non-None values, named in errors by ``label``) win over the environment
+        (``KVBRIDGE_*``, then the vLLM alias), which wins over the defaults."""
+        values = SETTINGS.resolve(SETTING_NAMES, flags, environ, label)
+        return cls(**values, budget=budget).validated()
+
+    @property
+    def server_budget(self) -> ConnectionBudget:
+        """The budget of this side channel's server: ``budget`` (else the environment's)
+        with the side channel's own keep-alive."""
+        base = self.budget or ConnectionBudget.load()
+        return replace(base, keep_alive_timeout=self.side_channel_keep_alive_timeout)
 
     @property
     def tls(self) -> TLSConfig:
@@ -143,21 +136,17 @@ class SideChannelConfig:
 
     def validated(self) -> SideChannelConfig:
         """Refuse unsafe or inconsistent settings with a message saying what to change."""
-        if self.handshake_method not in METHODS:
-            raise ConfigError(f"handshake method {self.handshake_method!r}: use one of {METHODS}")
+        # the tree's check of each value (for a config built by hand: normalised too)
+        checked = {name: SETTINGS[name].parse(getattr(self, name), name)
+                   for name in SETTING_NAMES if getattr(self, name) is not None}
+        if any(checked[k] != getattr(self, k) for k in checked):
+            return replace(self, **checked).validated()
         if self.handshake_method == "etcd" and not self.registry:
             raise ConfigError("the etcd handshake method needs the registry: --registry "
                               "etcd://HOST:PORT (KVBRIDGE_REGISTRY)")
         if self.registry:
             self.registry_endpoint  # noqa: B018 - parsed now, so a bad URL fails at start
-        if not 0 < self.handshake_timeout <= 3600:
-            raise ConfigError(f"handshake timeout must be in (0, 3600] seconds, got "
-                              f"{self.handshake_timeout}")
-        if not 1024 <= self.max_message_bytes <= 1 << 30:
-            raise ConfigError(f"max_message_bytes {self.max_message_bytes} outside 1 KiB .. 1 GiB")
-        if not 0 <= self.side_channel_port <= 65535:
-            raise ConfigError(f"side channel port {self.side_channel_port} out of range")
-        if _is_wildcard(self.advertised):
+        if is_wildcard(self.advertised):
             raise ConfigError(
                 f"advertising the wildcard address {self.advertised!r} tells peers nothing: "
                 "set KVBRIDGE_ADVERTISE_HOST (--advertise-host) to an address peers can reach")
@@ -174,9 +163,9 @@ class SideChannelConfig:
             raise ConfigError("ssl_allowed_peers needs client certificates: set ssl_cert_reqs "
                               "to required")
         if self.tokens_file:
-            from kvbridge.handshake.authz import _read_named
+            from kvbridge.handshake.authz import read_named_tokens
 
-            _read_named(self.tokens_file)  # now, so a bad file fails at start
+            read_named_tokens(self.tokens_file)  # now, so a bad file fails at start
         if self.token and self.token_file:
             raise ConfigError("give the side-channel token either inline or as a file, not both")
         if self.token_file:
@@ -186,6 +175,8 @@ class SideChannelConfig:
     def describe(self) -> list[str]:
         out = []
         for f in fields(self):
+            if f.name == "budget":
+                continue
             v = getattr(self, f.name)
             if f.name == "token":
                 v = "<set>" if v else None
@@ -210,52 +201,12 @@ def read_token_file(path: str) -> str:
     return text
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def _is_wildcard(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_unspecified
-    except ValueError:
-        return host in ("", "*")
-
-
-def _coerce(values: dict[str, Any]) -> dict[str, Any]:
-    out = dict(values)
-    try:
-        if "handshake_method" in out:
-            out["handshake_method"] = str(out["handshake_method"]).strip().lower()
-        if "handshake_timeout" in out:
-            out["handshake_timeout"] = float(out["handshake_timeout"])
-        for k in ("side_channel_port", "max_message_bytes"):
-            if k in out:
-                out[k] = int(out[k])
-    except ValueError as e:
-        raise ConfigError(f"bad setting value: {e}") from None
-    if "ssl_cert_reqs" in out:
-        out["ssl_cert_reqs"] = parse_cert_reqs(out["ssl_cert_reqs"])
-    return out
-
-
 def parse_cert_reqs(value: str | int | None) -> int:
     """uvicorn's ``ssl_cert_reqs``: none/optional/required (or 0/1/2) -> ``ssl.VerifyMode``."""
-    if value is None:
-        return int(ssl.CERT_NONE)
-    if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1, 2):
-        return value
-    key = str(value).strip().lower().removeprefix("cert_")
-    if key not in _CERT_REQS:
-        raise ConfigError(f"ssl_cert_reqs {value!r}: use none, optional or required (or 0, 1, 2)")
-    return int(_CERT_REQS[key])
+    return int(ssl.CERT_NONE) if value is None else SETTINGS["ssl_cert_reqs"].parse(
+        value, "ssl_cert_reqs")
 
 
-DEFAULT_NODE_TIMEOUT = 120.0
 
 
 @dataclass(frozen=True)
@@ -291,11 +242,11 @@ class MultiNodeConfig:
         if not 0 < self.node_timeout <= 3600:
             raise ConfigError(f"--node-timeout must be in (0, 3600] seconds, got "
                               f"{self.node_timeout}")
-        if _is_loopback(self.host) and not _is_loopback(self.master_addr):
+        if is_loopback(self.host) and not is_loopback(self.master_addr):
             raise ConfigError(f"this node's address {self.host!r} is a loopback address but "
                               f"the head is at {self.master_addr!r}: set --advertise-host to "
                               "an address the other nodes reach this one at")
-        if _is_wildcard(self.host):
+        if is_wildcard(self.host):
             raise ConfigError(f"advertising the wildcard address {self.host!r} tells other "
                               "nodes nothing: set --advertise-host to this node's address")
 
@@ -309,3 +260,8 @@ class MultiNodeConfig:
     def remote_ranks(self, tp_size: int) -> list[int]:
         """Ranks outside the head node: those reached through the control group."""
         return list(range(self.ranks_per_node(tp_size), tp_size))
+
+
+# SideChannelConfig's settings: the tree's side-channel group, in field order.
+SETTING_NAMES = tuple(s.name for s in SETTINGS.group("side_channel"))
+assert SETTING_NAMES == tuple(f.name for f in fields(SideChannelConfig))[:-1]

@@ -17,7 +17,7 @@ The guard wraps uvicorn's HTTP protocol and adds, per connection and per server:
 It also bounds the TLS handshake (``GuardedServer``) and gives the heap back after bursts
 of closed connections (``_Trimmer``).
 
-    budget = ConnectionBudget.from_env()
+    budget = ConnectionBudget.load()  # kvbridge/settings: flags, environment, defaults
     uvicorn.Config(app, http=guarded_protocol(HttpToolsProtocol, budget, "api"),
                    timeout_keep_alive=budget.keep_alive_timeout)
 """
@@ -33,15 +33,14 @@ import select
 import socket
 import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import fields, replace
 from typing import Any
 
 import uvicorn
 
-from kvbridge.errors import ConfigError
+from kvbridge.settings import SETTINGS, ConnectionBudget
 
 __all__ = [
-    "ENV_NAMES",
     "ConnectionBudget",
     "ConnectionGuard",
     "GuardCollector",
@@ -52,51 +51,18 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# setting -> environment variable
-ENV_NAMES: dict[str, str] = {
-    "max_connections": "KVBRIDGE_MAX_CONNECTIONS",
-    "first_byte_timeout": "KVBRIDGE_FIRST_BYTE_TIMEOUT",
-    "head_timeout": "KVBRIDGE_HEAD_TIMEOUT",
-    "body_timeout": "KVBRIDGE_BODY_TIMEOUT",
-    "keep_alive_timeout": "KVBRIDGE_KEEP_ALIVE_TIMEOUT",
-}
+def _from_env(
+    cls: type[ConnectionBudget], environ: Mapping[str, str] | None = None, **defaults: Any
+) -> ConnectionBudget:
+    """``defaults`` (a server's own) overridden by the ``KVBRIDGE_*`` variables (the
+    older spelling of ``ConnectionBudget.load``, kept for its callers)."""
+    environ = os.environ if environ is None else environ
+    given = {f.name: SETTINGS.from_env(f.name, environ) for f in fields(cls)
+             if any(environ.get(env, "") for env in SETTINGS[f.name].env_names)}
+    return replace(cls(), **{**defaults, **given}).validated()
 
 
-@dataclass(frozen=True)
-class ConnectionBudget:
-    """Limits of one server's connections (seconds, and a count)."""
-
-    max_connections: int = 1024
-    first_byte_timeout: float = 10.0
-    head_timeout: float = 10.0
-    body_timeout: float = 30.0
-    keep_alive_timeout: float = 5.0
-
-    @classmethod
-    def from_env(
-        cls, environ: Mapping[str, str] | None = None, **defaults: Any
-    ) -> ConnectionBudget:
-        """``defaults`` (a server's own) overridden by the ``KVBRIDGE_*`` variables."""
-        environ = os.environ if environ is None else environ
-        budget = replace(cls(), **defaults)
-        values: dict[str, Any] = {}
-        for name, env in ENV_NAMES.items():
-            raw = environ.get(env, "")
-            if raw:
-                try:
-                    values[name] = int(raw) if name == "max_connections" else float(raw)
-                except ValueError:
-                    raise ConfigError(f"{env}={raw!r} is not a number") from None
-        return replace(budget, **values).validated()
-
-    def validated(self) -> ConnectionBudget:
-        if self.max_connections < 1:
-            raise ConfigError(f"max_connections must be at least 1, got {self.max_connections}")
-        for name in ("first_byte_timeout", "head_timeout", "body_timeout", "keep_alive_timeout"):
-            value = getattr(self, name)
-            if not 0 < value <= 3600:
-                raise ConfigError(f"{name} must be in (0, 3600] seconds, got {value}")
-        return self
+ConnectionBudget.from_env = classmethod(_from_env)  # type: ignore[attr-defined]
 
 
 class ConnectionGuard:
@@ -339,11 +305,11 @@ def guarded_protocol(base: type, budget: ConnectionBudget, name: str) -> type:
 
 
 def guarded_config(name: str, budget: ConnectionBudget | None = None) -> dict[str, Any]:
-    """uvicorn ``Config`` keywords for a server under ``budget`` (default: from the
-    environment): its guarded httptools protocol and keep-alive timeout."""
+    """uvicorn ``Config`` keywords for a server under ``budget`` (default: the tree's, from
+    the environment): its guarded httptools protocol and keep-alive timeout."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    budget = budget or ConnectionBudget.from_env()
+    budget = budget or ConnectionBudget.load()
     return {
         "http": guarded_protocol(HttpToolsProtocol, budget, name),
         "timeout_keep_alive": budget.keep_alive_timeout,

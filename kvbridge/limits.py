@@ -8,13 +8,13 @@ decodes goes through ``check_json_body`` first.
 
 from __future__ import annotations
 
-import os
 import re
 from itertools import accumulate
 
 from starlette.requests import Request
 
 from kvbridge.errors import RequestError
+from kvbridge.settings import SETTINGS
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -25,19 +25,11 @@ __all__ = [
 ]
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
-    try:
-        return int(raw) if raw else default
-    except ValueError:
-        return default
-
-
 # Largest request body (bytes) the engine API and the proxy decode: a long prompt as text
 # or token ids fits many times over.
-MAX_BODY_BYTES = _env_int("KVBRIDGE_MAX_BODY_BYTES", 8 * 1024 * 1024)
+MAX_BODY_BYTES: int = SETTINGS.from_env("max_body_bytes")  # KVBRIDGE_MAX_BODY_BYTES
 # Deepest nesting of arrays/objects accepted; OpenAI requests nest about 5 levels.
-MAX_JSON_DEPTH = _env_int("KVBRIDGE_MAX_JSON_DEPTH", 64)
+MAX_JSON_DEPTH: int = SETTINGS.from_env("max_json_depth")  # KVBRIDGE_MAX_JSON_DEPTH
 
 # A JSON string (escapes included): brackets inside strings do not nest anything.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)

@@ -33,8 +33,9 @@ def loose_token(tmp_path):
     (["--side-channel-host", "::"], {}, "wildcard"),
     ([], {"VLLM_NIXL_SIDE_CHANNEL_HOST": "0.0.0.0"}, "wildcard"),
     (["--ssl-keyfile", "/nonexistent/key.pem"], {}, "without a certificate"),
-    (["--handshake-timeout", "0"], {}, "handshake timeout"),
-    ([], {"KVBRIDGE_HANDSHAKE_METHOD": "smoke-signals"}, "handshake method"),
+    (["--handshake-timeout", "0"], {}, "--handshake-timeout='0'"),
+    ([], {"KVBRIDGE_HANDSHAKE_METHOD": "smoke-signals"},
+     "KVBRIDGE_HANDSHAKE_METHOD='smoke-signals'"),
     (["--side-channel-ssl-keyfile", "/x/k.pem"], {}, "needs --side-channel-ssl-certfile"),
 ])
 def test_serve_refuses_unsafe_settings(args, env, message):
@@ -108,7 +109,7 @@ def test_proxy_port_in_use(busy_port):
     (["--kv-lease-seconds", "-1"], "--kv-lease-seconds"),
     (["--transfer-timeout", "0"], "--transfer-timeout"),
     (["--transfer-timeout", "nan"], "--transfer-timeout"),
-    (["--handshake-timeout", "-3"], "handshake timeout"),
+    (["--handshake-timeout", "-3"], "--handshake-timeout"),
     (["--kv-peer", "127.0.0.1"], "--kv-peer"),
     (["--port", "70000"], "--port"),
 ])
@@ -130,16 +131,16 @@ def test_serve_refuses_a_bad_progress_delay():
 
 
 @pytest.mark.parametrize(("command", "args", "env", "message"), [
-    ("serve", ["--max-connections", "0"], {}, "max_connections"),
+    ("serve", ["--max-connections", "0"], {}, "--max-connections='0'"),
     ("serve", [], {"KVBRIDGE_HEAD_TIMEOUT": "soon"}, "KVBRIDGE_HEAD_TIMEOUT"),
     ("proxy", ["--prefill", "http://a:1", "--decode", "http://b:2", "--first-byte-timeout",
-               "-1"], {}, "first_byte_timeout"),
+               "-1"], {}, "--first-byte-timeout='-1'"),
     ("proxy", ["--prefill", "http://a:1", "--decode", "http://b:2", "--prefill-timeout",
                "0"], {}, "--prefill-timeout"),
     ("proxy", ["--prefill", "http://a:1", "--decode", "http://b:2", "--port", "0",
                "--admin-routes", "token"], {}, "needs an admin token"),
     ("proxy", ["--prefill", "http://a:1", "--decode", "http://b:2", "--port", "0"],
-     {"KVBRIDGE_METRICS_ROUTE": "public"}, "metrics route 'public'"),
+     {"KVBRIDGE_METRICS_ROUTE": "public"}, "KVBRIDGE_METRICS_ROUTE='public'"),
 ])
 def test_connection_budgets_are_checked_at_start_up(command, args, env, message):
     out = _kvbridge(command, *args, env=env)

@@ -52,7 +52,7 @@ def test_client_certificates_required_without_a_server_certificate_is_refused():
 
 @pytest.mark.parametrize("value", ["inf", "nan", "0", "-1"])
 def test_timeout_must_be_finite_and_positive(value):
-    with pytest.raises(ConfigError, match="handshake timeout"):
+    with pytest.raises(ConfigError, match=f"KVBRIDGE_HANDSHAKE_TIMEOUT='{value}'"):
         load(KVBRIDGE_HANDSHAKE_TIMEOUT=value)
 
 

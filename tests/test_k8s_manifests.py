@@ -4,13 +4,12 @@ line in them is accepted by kvbridge's own parser. Validated, not run on a clust
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import kubernetes_validate
 import pytest
 import yaml
 
-from kvbridge.cli import _multinode, _parser
+from kvbridge.cli import multinode_config, parse_args
+from kvbridge.config import SideChannelConfig
 from tests.conftest import ROOT
 
 K8S = ROOT / "deploy" / "k8s"
@@ -117,7 +116,7 @@ def test_side_channel_probes_and_ports():
 @pytest.mark.parametrize("name", ["kvbridge-prefill", "kvbridge-decode", "kvbridge-proxy"])
 def test_kvbridge_accepts_the_command_lines(name):
     (spec,) = [spec for n, _, spec in _pod_specs() if n == name]
-    args = _parser().parse_args(spec["containers"][0]["args"])
+    args = parse_args(spec["containers"][0]["args"], environ={})
     assert args.registry == "etcd://kvbridge-etcd:2379"
     if args.command == "serve":
         assert args.host == "0.0.0.0" and args.registry_ttl == 10
@@ -166,7 +165,7 @@ def test_multinode_template_validation_can_fail():
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_multinode_instance_is_one_group(role, monkeypatch):
+def test_multinode_instance_is_one_group(role):
     """The leader is node 0 (the head, registered); every worker is a headless node whose
     rank is its LWS worker index; both agree on the group and kvbridge accepts both."""
     lws = LWS[role]
@@ -183,11 +182,11 @@ def test_multinode_instance_is_one_group(role, monkeypatch):
         env = {e["name"]: e for e in c["env"]}
         assert env["KVBRIDGE_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == (
             "status.podIP")
-    head = _parser().parse_args(leader["args"])
+    head = parse_args(leader["args"], environ={})
     nodes = []
     for rank in range(1, lwt["size"]):
-        monkeypatch.setenv("KVBRIDGE_NODE_RANK", str(rank))  # what the downward API gives
-        nodes.append(_parser().parse_args(worker["args"]))
+        # KVBRIDGE_NODE_RANK: what the downward API gives
+        nodes.append(parse_args(worker["args"], environ={"KVBRIDGE_NODE_RANK": str(rank)}))
     assert head.role == role and head.nnodes == lwt["size"] and head.node_rank == 0
     assert not head.headless
     assert head.registry == "etcd://kvbridge-etcd:2379"  # the head registers the instance
@@ -197,7 +196,7 @@ def test_multinode_instance_is_one_group(role, monkeypatch):
         assert (node.role, node.tp, node.nnodes, node.master_addr, node.master_port) == (
             head.role, head.tp, head.nnodes, head.master_addr, head.master_port)
     for args in (head, *nodes):  # kvbridge's own multi-node checks (ranks per node, ...)
-        mn = _multinode(args, SimpleNamespace(advertised="10.0.0.9"))
+        mn = multinode_config(args, SideChannelConfig(advertise_host="10.0.0.9"))
         assert mn is not None and mn.nnodes == lwt["size"]
     ports = {p["name"]: p["containerPort"] for p in leader["ports"]}
     assert ports["rendezvous"] == head.master_port

@@ -6,8 +6,7 @@ import os
 from dataclasses import dataclass
 
 from kvbridge.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS, MultiNodeConfig
-
-KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+from kvbridge.settings import KV_LOAD_FAILURE_POLICIES
 
 
 @dataclass(frozen=True)

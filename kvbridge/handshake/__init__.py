@@ -36,12 +36,13 @@ def make_server(config: SideChannelConfig, store: MetadataStore,
         if config.handshake_method == "http":
             return HttpHandshakeServer(store, config.side_channel_host, port,
                                        token=config.token, tls=config.tls, observer=observer,
-                                       authz=Authorizer.from_config(config))
+                                       authz=Authorizer.from_config(config),
+                                       budget=config.server_budget)
         if config.tls.enabled:
             log.warning("TLS settings do not apply to the zmq side channel: metadata and token "
                         "travel in clear (use --handshake http for TLS)")
         return ZmqHandshakeServer(store, config.side_channel_host, port, token=config.token,
-                                  observer=observer)
+                                  observer=observer, budget=config.server_budget)
     except (OSError, ZMQError) as e:
         raise bind_error(config.side_channel_host, port, SIDE_CHANNEL_PORT_SETTING, e) from None
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
+from kvbridge.settings import ROLES
+
 # Every key the project writes lives under this prefix; one key per instance.
 INSTANCES_PREFIX = "/kvbridge/v1/instances/"
-ROLES = ("prefill", "decode", "both")
 
 
 class InstanceRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

@@ -50,7 +50,7 @@ from kvbridge.errors import (
     failure_status,
     status_of,
 )
-from kvbridge.guard import GuardedServer, guarded_config
+from kvbridge.guard import ConnectionBudget, GuardedServer, guarded_config
 from kvbridge.limits import check_json_body, read_json_body
 from kvbridge.params import KVTransferParams
 from kvbridge.requestid import accept_request_id
@@ -428,13 +428,15 @@ class _Server(GuardedServer):
 def run_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, *,
                ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
                ssl_ca_certs: str | None = None, ssl_cert_reqs: int = ssl.CERT_NONE,
-               log_level: str = "info", sock: socket.socket | None = None) -> None:
+               log_level: str = "info", sock: socket.socket | None = None,
+               budget: ConnectionBudget | None = None) -> None:
     """Serve ``app`` with uvicorn until SIGINT/SIGTERM, then return (HTTPS when
-    ``ssl_certfile`` is set). ``sock``: already bound to ``host:port`` (uvicorn listens)."""
+    ``ssl_certfile`` is set). ``sock``: already bound to ``host:port`` (uvicorn listens).
+    ``budget``: its connections' (default: the settings tree's, from the environment)."""
     _Server(uvicorn.Config(app, host=host, port=port, ssl_certfile=ssl_certfile,
                            ssl_keyfile=ssl_keyfile, ssl_ca_certs=ssl_ca_certs,
                            ssl_cert_reqs=ssl_cert_reqs, log_level=log_level,
-                           **guarded_config("engine API"))).run(
+                           **guarded_config("engine API", budget))).run(
         sockets=None if sock is None else [sock])
 
 

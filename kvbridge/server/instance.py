@@ -44,10 +44,10 @@ from kvbridge.metadata import compat_of, decode_rank
 from kvbridge.metrics import CONTENT_TYPE, Metrics
 from kvbridge.model.loader import load_config, resolve_dtype
 from kvbridge.server.api import build_app, error_response
+from kvbridge.settings import ROLES
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "both")
 
 
 @dataclass

@@ -39,13 +39,14 @@ from starlette.types import Receive, Scope, Send
 
 from kvbridge import background
 from kvbridge.errors import ConfigError, RequestError, error_body
-from kvbridge.guard import GuardCollector, GuardedServer, guarded_config
+from kvbridge.guard import ConnectionBudget, GuardCollector, GuardedServer, guarded_config
 from kvbridge.limits import read_json_body
 from kvbridge.params import KVTransferParams
 from kvbridge.requestid import MAX_REQUEST_ID, accept_request_id
 from kvbridge.server.api import check_request_body
 from kvbridge.server.routing import Backend, Router
 from kvbridge.server.upstream import CLIENT_KEEP_ALIVE, never_reached, send_retrying_once
+from kvbridge.settings import DEFAULT_HOST
 
 if TYPE_CHECKING:  # the registry needs the ``fleet`` extra: imported only when used
     from kvbridge.registry.etcd import EtcdEndpoint
@@ -793,7 +794,7 @@ def run_proxy(
     prefill_urls: list[str],
     decode_urls: list[str],
     *,
-    host: str = "0.0.0.0",
+    host: str = DEFAULT_HOST,
     port: int = 8000,
     ca_certs: str | None = None,
     client_cert: tuple[str, str] | None = None,
@@ -810,6 +811,7 @@ def run_proxy(
     admin_token: str | None = None,
     admin_routes: str | None = None,
     metrics_route: str | None = None,
+    budget: ConnectionBudget | None = None,
 ) -> None:
     """Serve the proxy with uvicorn until interrupted.
 
@@ -845,7 +847,7 @@ def run_proxy(
         log_level=log_level,
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
-        **guarded_config("proxy"),
+        **guarded_config("proxy", budget),
     )
     server = GuardedServer(config)
     server.run()

@@ -7,16 +7,14 @@ from typing import TYPE_CHECKING
 from kvbridge.metadata import compat_hash
 from kvbridge.registry.etcd import EtcdEndpoint, EtcdRegistry, Registrar
 from kvbridge.registry.record import InstanceRecord
+from kvbridge.settings import is_wildcard
 
 if TYPE_CHECKING:
     from kvbridge.server.instance import Instance
 
-WILDCARDS = ("0.0.0.0", "::", "[::]", "", "*")
-
-
 def api_url(scheme: str, host: str, port: int, advertised: str) -> str:
     """The URL peers reach the API at: the bind host, or the advertised one for a wildcard."""
-    host = advertised if host in WILDCARDS else host
+    host = advertised if is_wildcard(host) else host
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     return f"{scheme}://{host}:{port}"
 

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-POLICIES = ("least-outstanding", "round-robin")
+from kvbridge.settings import ROUTING_POLICIES
+
 DEFAULT_COOLDOWN = 5.0  # seconds a failed instance is skipped while others are left
 
 
@@ -72,8 +73,8 @@ class Router:
         cooldown: float = DEFAULT_COOLDOWN,
         on_added: Callable[[Backend], None] | None = None,
     ):
-        if policy not in POLICIES:
-            raise ValueError(f"routing policy {policy!r}: use one of {POLICIES}")
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy {policy!r}: use one of {ROUTING_POLICIES}")
         self.policy = policy
         self.cooldown = cooldown
         self.on_added = on_added

@@ -16,17 +16,25 @@ from typing import Any
 
 from kvbridge.config import SideChannelConfig
 from kvbridge.errors import ConfigError
-from kvbridge.registry.record import ROLES, InstanceRecord
+from kvbridge.registry.record import InstanceRecord
+from kvbridge.settings import SETTINGS, Setting
 
-# kv_connector_extra_config keys of the registration (beside the side channel's settings).
-REGISTRATION_KEYS = frozenset({"api_url", "role", "registry_ttl"})
-DEFAULT_TTL = 10
+# kv_connector_extra_config keys of the registration (beside the side channel's settings):
+# the tree's other extra-config keys.
+REGISTRATION_KEYS = frozenset(s.name for s in SETTINGS if s.extra_config
+                              and s.group != "side_channel")
+DEFAULT_TTL: int = SETTINGS["registry_ttl"].default
+
+
+def extra_label(s: Setting) -> str:
+    """How an error names a ``kv_connector_extra_config`` key."""
+    return f"kv_connector_extra_config[{s.name!r}]"
 
 
 @dataclass(frozen=True)
 class RegistrationSettings:
     api_url: str
-    role: str = "both"
+    role: str = SETTINGS["role"].default
     ttl: int = DEFAULT_TTL
 
 
@@ -49,13 +57,11 @@ def registration_settings(extra: Mapping[str, Any], side: SideChannelConfig
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ConfigError(f"kvbridge.vllm: api_url {url!r}: an http:// or https:// URL of this "
                           "vLLM server's API as clients reach it")
-    role = extra.get("role", "both")
-    if role not in ROLES:
-        raise ConfigError(f"kvbridge.vllm: role {role!r}: use one of {ROLES}")
-    ttl = extra.get("registry_ttl", DEFAULT_TTL)
-    if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
-        raise ConfigError(f"kvbridge.vllm: registry_ttl {ttl!r}: a whole number of seconds >= 1")
-    return RegistrationSettings(url.rstrip("/"), role, ttl)
+    try:
+        values = SETTINGS.resolve(["role", "registry_ttl"], extra, {}, extra_label)
+    except ConfigError as e:
+        raise ConfigError(f"kvbridge.vllm: {e}") from None
+    return RegistrationSettings(url.rstrip("/"), values["role"], values["registry_ttl"])
 
 
 def instance_record(reg: RegistrationSettings, side: SideChannelConfig, *, engine_id: str,

@@ -1,8 +1,9 @@
 """The plug-in's settings: ``kv_connector_extra_config``, then ``KVBRIDGE_*``, then ``VLLM_NIXL_*``.
 
-One config tree with ``kvbridge serve``: the extra-config keys are ``SideChannelConfig``'s
-setting names (docs/configuration.md) and are passed to ``SideChannelConfig.load`` as its
-flags, so the environment and the vLLM aliases apply exactly as for ``kvbridge serve``.
+One settings tree with ``kvbridge serve`` (kvbridge/settings/tree.py): the extra-config keys
+are the tree's ``extra_config`` settings (the side channel's, and the registration's), passed
+to ``SideChannelConfig.load`` as its flags, so the environment, the vLLM aliases and every
+check apply exactly as for ``kvbridge serve``.
 No vLLM import here.
 """
 
@@ -10,14 +11,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvbridge.config import SideChannelConfig
 from kvbridge.errors import ConfigError
+from kvbridge.settings import SETTINGS
 from kvbridge.vllm.registration import (
     REGISTRATION_KEYS,
     RegistrationSettings,
+    extra_label,
     registration_settings,
 )
 
@@ -31,7 +34,8 @@ VLLM_NIXL_KEYS = frozenset({
     "kv_recompute_threshold", "bidirectional_kv_xfer", "decoder_kv_blocks_ttl",
     "push_registration_timeout",
 })
-OUR_KEYS = frozenset(f.name for f in fields(SideChannelConfig))
+OUR_KEYS = frozenset(s.name for s in SETTINGS.group("side_channel"))
+assert {s.name for s in SETTINGS if s.extra_config} == OUR_KEYS | REGISTRATION_KEYS
 
 
 def check_vllm_version(version: str) -> None:
@@ -74,7 +78,8 @@ def load_settings(extra: Mapping[str, Any] | None, dp_index: int = 0,
                           f"use the setting names of docs/configuration.md")
     flags = {k: v for k, v in extra.items() if k in OUR_KEYS}
     try:
-        cfg = SideChannelConfig.load(flags, os.environ if environ is None else environ)
+        cfg = SideChannelConfig.load(flags, os.environ if environ is None else environ,
+                                     extra_label)
     except ConfigError as e:
         raise ConfigError(f"kvbridge.vllm: {e}") from None
     if cfg.handshake_method == "zmq":

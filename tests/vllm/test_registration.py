@@ -30,8 +30,10 @@ def test_api_url_turns_registration_on() -> None:
     ({"role": "prefill"}, "need api_url"),
     ({"api_url": "http://127.0.0.1:8000"}, "needs a registry"),
     ({"api_url": "ftp://h", "registry": ETCD}, "http:// or https://"),
-    ({"api_url": "http://h:1", "registry": ETCD, "role": "leader"}, "role 'leader'"),
-    ({"api_url": "http://h:1", "registry": ETCD, "registry_ttl": 0}, "registry_ttl 0"),
+    ({"api_url": "http://h:1", "registry": ETCD, "role": "leader"},
+     r"extra_config\['role'\]='leader': use one of prefill, decode, both"),
+    ({"api_url": "http://h:1", "registry": ETCD, "registry_ttl": 0},
+     r"extra_config\['registry_ttl'\]=0: must be >= 1"),
 ])
 def test_bad_registration_settings_are_one_line(extra, says) -> None:
     with pytest.raises(ConfigError, match=says) as e:

@@ -164,7 +164,8 @@ def test_settings_from_extra_config_then_env_then_vllm_alias(tmp_path: Path):
 
 @pytest.mark.parametrize("extra, match", [
     ({"handshake_methd": "http"}, "unknown kv_connector_extra_config key"),
-    ({"handshake_method": "carrier-pigeon"}, "handshake method"),
+    ({"handshake_method": "carrier-pigeon"},
+     r"kv_connector_extra_config\['handshake_method'\]='carrier-pigeon'"),
     ({"token": "t"}, "token needs handshake_method 'http'"),
     ({"ssl_certfile": "/x.pem"}, "TLS settings need handshake_method 'http'"),
     ({"handshake_method": "http", "ssl_cert_reqs": "required"}, "client certificates"),
