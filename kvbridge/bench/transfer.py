@@ -135,6 +135,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rlist = agent.prep_xfer_dlist(remote, _descs(info["addr"], count, size), "DRAM")
                 llist = agent.prep_xfer_dlist("NIXL_INIT_AGENT",
                                               _descs(dst.data_ptr(), count, size), "DRAM")
+                # A validated load (protocol.md 9a) READs one 8-byte tag per block after
+                # the blocks: here, 8-byte descriptors at the start of the same buffers.
+                rtags = agent.prep_xfer_dlist(remote, _descs(info["addr"], count, 8), "DRAM")
+                ltags = agent.prep_xfer_dlist("NIXL_INIT_AGENT",
+                                              _descs(dst.data_ptr(), count, 8), "DRAM")
 
                 def nixl_read(lidx: np.ndarray, ridx: np.ndarray, llist=llist,
                               rlist=rlist) -> None:
@@ -190,6 +195,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         row[f"nixl_{mode}"] = {"seconds": secs, "iters": iters,
                                                "gb_per_s": nbytes / secs / 1e9,
                                                "descs_per_s": n / secs}
+                        if mode == "contiguous":
+                            # what validation adds: the READ of the blocks' tags, on its own
+                            secs, iters = _repeat(lambda lidx=lidx, ridx=ridx, lt=ltags,
+                                                  rt=rtags: nixl_read(lidx, ridx, lt, rt), args)
+                            row["nixl_tags_read"] = {
+                                "seconds": secs, "iters": iters,
+                                "over_blocks_read": secs / row["nixl_contiguous"]["seconds"]}
                         if mode == "contiguous" and n >= READS_IN_FLIGHT:
                             secs, iters = _repeat(lambda lidx=lidx, ridx=ridx: nixl_reads(
                                 lidx, ridx, READS_IN_FLIGHT), args)
@@ -237,8 +249,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              f"{row['memcpy_contiguous']['gb_per_s']:.2f} GB/s"
                              + (f", TCP {row['tcp_contiguous']['gb_per_s']:.2f} GB/s"
                                 if args.tcp else ""))
-                agent.release_dlist_handle(rlist)
-                agent.release_dlist_handle(llist)
+                for dl in (rlist, llist, rtags, ltags):
+                    agent.release_dlist_handle(dl)
         finally:
             tcp.close()
             agent.remove_remote_agent(remote)
@@ -260,6 +272,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "timing": "median per point; NIXL: make_prepped_xfer .. DONE, busy poll",
                    "memcpy": "contiguous: torch copy_ (torch.set_num_threads(1)); scattered: "
                              "one numpy row copy per block",
+                   "tags_read": "what validating a load adds (protocol.md 9a): one READ "
+                                "of an 8-byte tag per block, timed on its own",
                    "cma": "the same bytes from the peer with one process_vm_readv call (what "
                           "UCX's cma transport does for these READs)",
                    "backend": "NIXL UCX, DRAM to DRAM between two processes",
@@ -287,6 +301,12 @@ def summary(r: dict[str, Any]) -> str:
                      f"{x['nixl_contiguous']['descs_per_s']:>8.0f} {split:>13.2f} "
                      f"{x['cma_contiguous']['gb_per_s']:>9.2f} "
                      f"{x['nixl_contiguous']['gb_per_s'] / x['cma_contiguous']['gb_per_s']:>9.2f}")
+    for x in r["results"]:
+        if "nixl_tags_read" in x:
+            t = x["nixl_tags_read"]
+            lines.append(f"validating {x['blocks']} blocks of {x['block_bytes'] // KiB} KiB "
+                         f"(a READ of their tags after them) adds {t['seconds'] * 1e6:.0f} us "
+                         f"= {t['over_blocks_read']:.1%} of the blocks' READ")
     return "\n".join(lines + goal_lines(r))
 
 
