@@ -112,7 +112,7 @@ class ZmtpListener:
         self._handler = handler
         self.max_bytes = max_bytes
         self.max_frames = max_frames
-        self.budget = budget or ConnectionBudget.from_env(keep_alive_timeout=30.0)
+        self.budget = budget or ConnectionBudget.load(side_channel=True)
         self.guard = ConnectionGuard(self.budget, "zmq side channel")
         self.peer_types = peer_types
         self.dropped = 0  # peers dropped for a message over the limits
