@@ -4,7 +4,8 @@ Field names follow vLLM's NixlConnector, so vLLM's own disaggregation proxy (and
 client speaking its protocol) works unchanged: the prefill hop carries
 ``do_remote_decode: true`` with the other fields null, and the prefill's answer is
 passed verbatim to the decode. kvbridge adds ``remote_epoch``, ``handshake_method``,
-``remote_num_tokens``, ``remote_lease_ms`` and ``remote_hold_key`` (all optional).
+``remote_num_tokens``, ``remote_lease_ms``, ``remote_hold_key``,
+``remote_output_token_ids`` and ``sent_token_ids`` (all optional).
 
 Decoding is strict about types (``"false"`` is not a bool, ``"25600"`` and ``25600.9``
 are not ports, block ids are integers >= 0) and lenient about unknown fields, which
@@ -26,6 +27,7 @@ _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 _BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 # A prompt of a million tokens in blocks of 16 is 62,500 blocks: far below this.
 _BlockIds = Annotated[list[_BlockId], msgspec.Meta(max_length=1 << 20)]
+_TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -48,6 +50,12 @@ class KVTransferParams(msgspec.Struct, kw_only=True, frozen=True):
     # the hold's capability: a decode's READ-done and release notes (and a proxy's
     # /v1/kv/release) carry it, or the prefill ignores them
     remote_hold_key: _Id | None = None
+    # the tokens the prefill sampled (its answer's first token): a proxy that streams it
+    # to the client at once asks the decode to continue after it with ``sent_token_ids``
+    remote_output_token_ids: Annotated[list[_TokenId], msgspec.Meta(max_length=64)] | None = None
+    # output tokens the client already has (from the prefill): the decode treats them as
+    # its own first outputs (sampling positions, max_tokens, usage, text) and continues
+    sent_token_ids: Annotated[list[_TokenId], msgspec.Meta(max_length=64)] | None = None
 
     # -- decoding and encoding ---------------------------------------------------------------
 

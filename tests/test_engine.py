@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from kvbridge.engine import (
 )
 from kvbridge.errors import FailureKind, LoadFailure
 from kvbridge.params import KVTransferParams
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -448,7 +448,33 @@ def test_workers_exit_when_the_head_process_dies():
                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 2, out.stderr
-    deadline = time.monotonic() + 20
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)  # polling an external condition with a deadline
-    assert not any(_alive(p) for p in pids)
+    wait_until(lambda: not any(_alive(p) for p in pids), 20, "the workers gone", every=0.05)
+
+
+# -- continuing after tokens the client already has (the first token from the prefill) -------
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(max_tokens=12, temperature=1.0,
+                                                             seed=7, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_a_request_continues_after_the_tokens_already_sent(engine, sampling):
+    """``sent_token_ids``: the prefill's first token counts as this request's first output
+    (sampling position, max_tokens), so the rest is what one engine alone would give."""
+    ids = engine.tokenizer.encode(PROMPTS[5])
+    whole = engine.generate([ids], sampling)[0]
+    rid = engine.add_request(ids, sampling,
+                             kv_transfer_params=KVTransferParams(sent_token_ids=whole[:1]))
+    outs = run_all(engine)[rid]
+    assert tokens(outs) == whole[1:]
+    assert outs[-1].num_output_tokens == len(whole)
+    first = next(o for o in outs if o.new_token_ids)
+    assert first.times is not None and "first_token" in first.times
+
+
+def test_sent_tokens_must_leave_something_to_generate(engine):
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    with pytest.raises(ValueError, match="sent_token_ids"):
+        engine.add_request(ids, SamplingParams(max_tokens=1),
+                           kv_transfer_params=KVTransferParams(sent_token_ids=[ids[0]]))
+    with pytest.raises(ValueError, match="sent_token_ids"):
+        engine.add_request(ids, GREEDY, kv_transfer_params=KVTransferParams(
+            sent_token_ids=[engine.model_config.vocab_size]))

@@ -22,6 +22,7 @@ from kvbridge.engine.sampling import SampleSpec, SamplingParams
 from kvbridge.engine.scheduler import ScheduledBatch, Scheduler
 from kvbridge.engine.sequence import RequestOutput, Sequence
 from kvbridge.engine.workers import WorkerGroup
+from kvbridge.errors import InvalidKVTransferParams
 from kvbridge.kv_tags import TagChain
 from kvbridge.model.attention import SeqChunk
 from kvbridge.model.loader import load_config, load_tokenizer, resolve_dtype
@@ -73,6 +74,14 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        sent = (kv_transfer_params.sent_token_ids or []) if kv_transfer_params else []
+        if [t for t in sent if t >= vocab]:
+            raise InvalidKVTransferParams(
+                f"invalid kv_transfer_params.sent_token_ids: token ids out of range [0, {vocab})")
+        if sent and len(sent) >= sampling.max_tokens:
+            raise InvalidKVTransferParams(
+                f"invalid kv_transfer_params.sent_token_ids: {len(sent)} tokens already sent "
+                f"leave nothing to generate within max_tokens {sampling.max_tokens}")
         if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens "
@@ -93,7 +102,8 @@ class LLMEngine:
         if self.scheduler.is_known(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(62)
-        seq = Sequence(request_id, prompt_token_ids, sampling, seed, kv_transfer_params)
+        seq = Sequence(request_id, prompt_token_ids, sampling, seed, kv_transfer_params,
+                       kv_transfer_params.sent_token_ids if kv_transfer_params else None)
         seq.times["arrived"] = time.monotonic() if arrival_time is None else arrival_time
         self.scheduler.add(seq)
         return request_id

@@ -19,6 +19,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
+
 from kvbridge.connector.base import ConnectorUpdate, SchedulerConnector
 from kvbridge.engine.block_manager import BlockManager
 from kvbridge.engine.config import EngineConfig
@@ -177,7 +179,7 @@ class Scheduler:
             else:
                 self.running.remove(seq)
                 out = self._finish(seq, reason, new_token_ids=[token])
-            if seq.num_output_tokens == 1:
+            if seq.num_output_tokens == seq.num_sent_tokens + 1:
                 out.times = {**seq.times, "first_token": time.monotonic()}
             outputs.append(out)
         return outputs
@@ -197,8 +199,9 @@ class Scheduler:
                 outputs.append(self._finish(seq, "abort"))
                 continue
             if error is None:
-                # The last prompt token is always recomputed: its logits pick the next token.
-                seq.num_cached_tokens = min(seq.num_remote_tokens, seq.num_prompt_tokens - 1)
+                # The last token is always computed: its logits pick the next token (the
+                # last prompt token, or the last token the prefill sent).
+                seq.num_cached_tokens = min(seq.num_remote_tokens, seq.num_tokens - 1)
             elif self.failure_policy == "recompute" and not error.request_fault:
                 logger.warning("KV load of %s failed (%s): recomputing the prompt",
                                request_id, error.message)
@@ -221,6 +224,9 @@ class Scheduler:
         del self.requests[seq.request_id]
         hold, params = self.connector.on_finished(seq.request_id, list(seq.block_table),
                                                   seq.kv_transfer_params, seq.num_cached_tokens)
+        if params is not None and seq.output_token_ids:
+            params = msgspec.structs.replace(params,
+                                             remote_output_token_ids=seq.output_token_ids[:64])
         if hold and seq.block_table:
             self.held[seq.request_id] = seq.block_table
         else:

@@ -22,10 +22,14 @@ class Sequence:
     """One request: its tokens, its blocks, and how much of it is already in the KV cache."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 seed: int, kv_transfer_params: KVTransferParams | None = None):
+                 seed: int, kv_transfer_params: KVTransferParams | None = None,
+                 sent_token_ids: list[int] | None = None):
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.token_ids = list(prompt_token_ids)
+        # Output tokens the client already has (the prefill sampled them): they count as
+        # this request's first outputs, and generation continues after them.
+        self.num_sent_tokens = len(sent_token_ids or ())
+        self.token_ids = list(prompt_token_ids) + list(sent_token_ids or ())
         self.sampling = sampling
         self.seed = seed
         self.kv_transfer_params = kv_transfer_params
