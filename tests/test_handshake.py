@@ -213,7 +213,7 @@ def test_http_server_stops_with_idle_tls_clients_connected(certs, clients):
     port = server.port
     assert len(client.fetch(HOST, port)) == 2  # the connection stays in the pool
     server.stop()
-    assert not server._thread.is_alive()
+    assert not server.running
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((HOST, port), timeout=5).close()
 
@@ -223,10 +223,9 @@ def test_http_server_sets_tcp_nodelay(servers, clients, certs):
     would wait for the client's delayed ACK (~40 ms per handshake)."""
     client = clients("http", certs)
     client.fetch(HOST, servers["http"].port, 0)
-    conns = list(servers["http"]._server.server_state.connections)
-    assert conns
-    for conn in conns:
-        sock = conn.transport.get_extra_info("socket")
+    socks = servers["http"].open_sockets()
+    assert socks
+    for sock in socks:
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
 
@@ -446,8 +445,8 @@ def test_mtls_with_the_right_client_certificate(mtls_server, clients, certs):
 
 def _resumed(client: HttpHandshakeClient, port: int) -> bool:
     """Whether the client's idle connection to the port resumed an earlier TLS session."""
-    (conn,) = client._idle[(HOST, port)]
-    return conn.sock.session_reused
+    (sock,) = client.idle_sockets(HOST, port)
+    return sock.session_reused
 
 
 @pytest.mark.parametrize("cert", [False, True], ids=["tls", "mtls"])

@@ -89,17 +89,16 @@ def test_crashed_prefill_expires_and_new_epoch_arrives_by_watch(etcd):
         assert old.published.wait(5)
         assert client.fetch(HOST, port, 0)[0].epoch == "epoch-a"
         # a crash: the keep-alive stops, nobody revokes; the lease ends within its TTL
-        old._stop.set()
-        old._thread.join(5)
+        old.abandon(5)
         # (etcd makes any TTL under 2 s a 2 s one, and checks expiry every 0.5 s)
-        _wait(lambda: client._cache == {}, 2 + 15, "expired, seen by watch")
+        _wait(lambda: client.watched() == set(), 2 + 15, "expired, seen by watch")
         # the restarted prefill (same address, new epoch) publishes ...
         new = EtcdHandshakeServer(full_store(1, epoch="epoch-b"), cfg.registry_endpoint, HOST, port)
         new.start()
         try:
             assert new.published.wait(5)
             key = f"{HANDSHAKE_PREFIX}{HOST}:{port}/0"
-            _wait(lambda: key in client._cache, 10, "new epoch delivered by the watch")
+            _wait(lambda: key in client.watched(), 10, "new epoch delivered by the watch")
             reads = client.reads
             assert client.fetch(HOST, port, 0)[0].epoch == "epoch-b"
             assert client.reads == reads  # answered from the watch: no etcd read

@@ -129,7 +129,7 @@ def test_etcd_down_then_back(etcd):
         etcd.proc.wait()
         with pytest.raises(RegistryError):
             reg.get_prefix(INSTANCES_PREFIX)
-        assert registrar._thread.is_alive()
+        assert registrar.running
         etcd.start()
         reader = EtcdRegistry(parse_registry_url(etcd.url))  # not the registrar's 0.5 s client
         _wait(

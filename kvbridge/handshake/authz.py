@@ -74,7 +74,7 @@ class TokenSet:
     @classmethod
     def from_config(cls, cfg: SideChannelConfig) -> TokenSet:
         if cfg.tokens_file:
-            return cls(_read_named(cfg.tokens_file), path=cfg.tokens_file, named=True)
+            return cls(read_named_tokens(cfg.tokens_file), path=cfg.tokens_file, named=True)
         if cfg.token is None:
             return cls(None)
         return cls({"token": cfg.token}, path=cfg.token_file)
@@ -100,7 +100,7 @@ class TokenSet:
             if stamp == self._stamp:
                 return
             try:
-                tokens = (_read_named(self._path) if self._named
+                tokens = (read_named_tokens(self._path) if self._named
                           else {"token": read_token_file(self._path)})  # type: ignore[arg-type]
             except ConfigError as e:
                 if not self._warned:
@@ -129,7 +129,7 @@ class TokenSet:
         return found
 
 
-def _read_named(path: str) -> dict[str, str]:
+def read_named_tokens(path: str) -> dict[str, str]:
     # same permission checks as a single token file; its text is the NAME:TOKEN lines
     read_token_file(path)
     with open(path) as f:

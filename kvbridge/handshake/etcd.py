@@ -128,6 +128,12 @@ class EtcdHandshakeServer(HandshakeServer):
     def start(self) -> None:
         self._thread.start()
 
+    def abandon(self, timeout: float = 10) -> None:
+        """Stop keeping the lease alive without revoking it, as a crash would: the
+        metadata stays in etcd until the lease's TTL runs out."""
+        self._stop.set()
+        self._thread.join(timeout=timeout)
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
@@ -180,6 +186,11 @@ class EtcdHandshakeClient(HandshakeClient):
                 self._synced.clear()
                 self._stop.wait(delay)
                 delay = min(delay * 2, 2.0)
+
+    def watched(self) -> set[str]:
+        """The keys the watch holds now (a copy)."""
+        with self._lock:
+            return set(self._cache)
 
     @property
     def reads(self) -> int:

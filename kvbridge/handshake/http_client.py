@@ -67,6 +67,11 @@ class HttpHandshakeClient(HandshakeClient):
             return self._headers
         return {**self._headers, "authorization": f"Bearer {self._token_file.current()}"}
 
+    def idle_sockets(self, host: str, port: int) -> list[socket.socket]:
+        """The sockets of the idle keep-alive connections kept for ``host:port``."""
+        with self._lock:
+            return [c.sock for c in self._idle.get((host, port), [])]
+
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, {}

@@ -9,6 +9,7 @@ Routes: ``kvbridge.handshake.http_routes``. The app refuses request bodies over
 from __future__ import annotations
 
 import contextlib
+import socket
 import ssl
 import threading
 from collections.abc import Iterator
@@ -162,6 +163,18 @@ class HttpHandshakeServer(HandshakeServer):
     @property
     def port(self) -> int:
         return self._sock.getsockname()[1]
+
+    @property
+    def running(self) -> bool:
+        """Its server thread runs (started, not stopped)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def open_sockets(self) -> list[socket.socket]:
+        """The sockets of the connections open now (what a test checks options on)."""
+        server = self._server
+        if server is None:
+            return []
+        return [c.transport.get_extra_info("socket") for c in list(server.server_state.connections)]
 
     def start(self) -> None:
         tls = self._tls

@@ -315,6 +315,11 @@ class Registrar:
     def lease(self) -> Lease | None:
         return self._lease
 
+    @property
+    def running(self) -> bool:
+        """Its keep-alive thread runs (started, not stopped)."""
+        return self._thread.is_alive()
+
     def start(self) -> Registrar:
         self._thread.start()
         return self
