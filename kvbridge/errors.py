@@ -184,6 +184,7 @@ def failure_status(failure: LoadFailure) -> ErrorStatus:
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
-    """OpenAI's error shape, used by every server kvbridge runs."""
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape, used by every server kvbridge runs: ``code`` is a string naming
+    the failure (the proxy's: the engine's, else the HTTP status as a string) or None."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
