@@ -7,6 +7,7 @@ aliases), which win over defaults; every setting is printed once at start-up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -241,7 +242,8 @@ def _serve(args: argparse.Namespace) -> int:
                               else f"api=http://{args.host}:{api_port}",
                               f"kv_load_failure_policy={opts.kv_load_failure_policy}",
                               f"nixl_progress_delay_us={env_only['nixl_progress_delay_us']}",
-                              *nodes, *side.describe()])
+                              *nodes, *side.describe(),
+                              *(f"{k}={v:g}" for k, v in dataclasses.asdict(budget).items())])
     try:
         inst = Instance(opts)
     except BaseException as e:
