@@ -28,17 +28,15 @@ import asyncio
 import ctypes
 import gc
 import logging
-import os
 import select
 import socket
 import weakref
-from collections.abc import Iterator, Mapping
-from dataclasses import fields, replace
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
 
-from kvbridge.settings import SETTINGS, ConnectionBudget
+from kvbridge.settings import ConnectionBudget
 
 __all__ = [
     "ConnectionBudget",
@@ -50,20 +48,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-def _from_env(
-    cls: type[ConnectionBudget], environ: Mapping[str, str] | None = None, **defaults: Any
-) -> ConnectionBudget:
-    """``defaults`` (a server's own) overridden by the ``KVBRIDGE_*`` variables (the
-    older spelling of ``ConnectionBudget.load``, kept for its callers)."""
-    environ = os.environ if environ is None else environ
-    given = {f.name: SETTINGS.from_env(f.name, environ) for f in fields(cls)
-             if any(environ.get(env, "") for env in SETTINGS[f.name].env_names)}
-    return replace(cls(), **{**defaults, **given}).validated()
-
-
-ConnectionBudget.from_env = classmethod(_from_env)  # type: ignore[attr-defined]
-
 
 class ConnectionGuard:
     """The connections of one server, least recently active first."""

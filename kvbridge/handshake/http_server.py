@@ -154,7 +154,7 @@ class HttpHandshakeServer(HandshakeServer):
         # arrive before uvicorn runs wait in the backlog instead of being refused.
         self._sock = listen_socket(host, port, setting)
         # Side-channel peers reconnect rarely: keep their connections longer than the API's.
-        self._budget = budget or ConnectionBudget.from_env(keep_alive_timeout=30.0)
+        self._budget = budget or ConnectionBudget.load(side_channel=True)
         # Above the guard's cap, so the guard evicts idle connections before uvicorn 503s.
         self._limit_concurrency = max(limit_concurrency, self._budget.max_connections + 64)
         self._server: _ThreadServer | None = None
