@@ -30,6 +30,7 @@ from typing import Any
 
 from kvbridge.bench.common import apply_quick, load_average
 from kvbridge.bench.hostile_attacks import HOST, pinning_flood, side_channel_attack, zmq_endless
+from kvbridge.bench.hostile_kv import audit_volume, kv_integrity
 from kvbridge.bench.hostile_report import HANDSHAKE_GOAL_S, RSS_BOUND_MIB, plot, summary
 from kvbridge.launch import KVBridgeProcess, free_port
 from kvbridge.testing.certs import write_certs
@@ -37,7 +38,8 @@ from kvbridge.testing.certs import write_certs
 __all__ = ["add_arguments", "plot", "run", "summary"]
 
 START_TIMEOUT = 180.0
-QUICK = {"connections": 200, "handshakes": 5, "frames": 2000, "pinning_requests": 5}
+QUICK = {"connections": 200, "handshakes": 5, "frames": 2000, "pinning_requests": 5,
+         "kv_rounds": 2, "audit_fetches": 50}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pinning-requests", type=int, default=20,
         help="requests of the pinning flood (300-character x-request-id) through the proxy",
+    )
+    p.add_argument(
+        "--kv-rounds", type=int, default=10,
+        help="times each attack on held KV runs (keyless release, reordered blocks, another "
+             "prompt, released and reused blocks)",
+    )
+    p.add_argument(
+        "--audit-fetches", type=int, default=1000,
+        help="metadata fetches timed for the audit log's volume",
     )
     p.add_argument(
         "--frames",
@@ -103,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "plain": ["--handshake", "http"],
             "mtls": ["--handshake", "http", *tls],
             "zmq": ["--handshake", "zmq"],
-            "pin-p": ["--handshake", "http"],
+            "pin-p": ["--handshake", "http", "--audit-log", str(tmp / "audit.jsonl")],
             "pin-d": ["--handshake", "http", "--role", "decode"],
         }
         if args.pinning_only:
@@ -202,6 +213,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         time.monotonic() + START_TIMEOUT)
             pinning = pinning_flood(f"http://{HOST}:{proxy_port}", urls["pin-p"],
                                      args.pinning_requests)
+            integrity = kv_integrity(urls["pin-p"], urls["pin-d"], token, args.kv_rounds)
+            pin_side = httpx.get(urls["pin-p"] + "/v1/kv/info", timeout=30).json()[
+                "side_channel_port"]
+            audited = HttpHandshakeClient(10, None, token)
+            try:
+                audit = audit_volume(tmp / "audit.jsonl", lambda: audited.fetch(HOST, pin_side),
+                                     args.audit_fetches)
+            finally:
+                audited.close()
         finally:
             for p in procs.values():
                 p.stop()
@@ -214,8 +234,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  f"{pinning['statuses']}",
         "reached": pinning["blocks_back_s"] < 5 and set(pinning["statuses"]) == {"200"},
     })
+    wrong = sum(x["wrong_answers"] for x in integrity["reads"].values())
+    caught = {k: x["stale_loads"] for k, x in integrity["reads"].items() if k != "normal"}
+    goals.append({
+        "goal": "held KV: no release without the hold's key; no answer from blocks that are "
+                "not the prompt's (every such READ caught as stale)",
+        "value": f"{integrity['keyless_releases']['released']} of "
+                 f"{integrity['keyless_releases']['tries']} keyless releases took effect; "
+                 f"{wrong} wrong answers; stale loads caught {caught}",
+        "reached": integrity["keyless_releases"]["released"] == 0 and wrong == 0
+                   and all(v == args.kv_rounds for v in caught.values()),
+    })
     return {
         "config": {
+            "kv_rounds": args.kv_rounds,
+            "audit_fetches": args.audit_fetches,
             "connections": args.connections,
             "handshakes": args.handshakes,
             "frames": args.frames,
@@ -227,6 +260,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_after": load_average(),
         "attacks": attacks,
         "pinning_flood": pinning,
+        "kv_integrity": integrity,
+        "audit_log": audit,
         "goals": goals,
     }
 

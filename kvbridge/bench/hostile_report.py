@@ -35,6 +35,17 @@ def summary(r: dict[str, Any]) -> str:
             f"{pin['blocks_back_s']:.2f} s; a legitimate request {pin['legit_request_s']['before']:.2f}"
             f" s before, {pin['legit_request_s']['after']:.2f} s right after; non-ASCII id: "
             f"{pin['non_ascii_id_status']}")
+    if (kv := r.get("kv_integrity")) is not None:
+        k = kv["keyless_releases"]
+        lines.append(f"keyless releases: {k['released']} of {k['tries']} took effect, "
+                     f"{k['ignored']:.0f} ignored and counted")
+        for name, x in kv["reads"].items():
+            lines.append(f"READ {name:20s} {x['requests']} requests: {x['wrong_answers']} wrong "
+                         f"answers, {x['stale_loads']:.0f} caught stale, request p50 "
+                         f"{x['request_ms']['p50']:.1f} ms")
+    if (audit := r.get("audit_log")) is not None:
+        lines.append(f"audit log: {audit['bytes_per_1000'] / 1024:.1f} KiB and "
+                     f"{audit['lines_per_1000']:.0f} lines per 1,000 metadata fetches")
     return "\n".join(lines + goal_lines(r))
 
 
