@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +98,7 @@ class Setting:
         try:
             return self._parse(raw)
         except (ValueError, TypeError) as e:
-            raise ConfigError(f"{source}={_show(raw)}: {e}") from None
+            raise ConfigError(f"{source}={raw!r}: {e}") from None
 
     def _parse(self, raw: Any) -> Any:
         value = raw
@@ -143,10 +143,6 @@ def _num(x: float | None) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 
-def _show(raw: Any) -> str:
-    return repr(raw) if isinstance(raw, str) else repr(raw)
-
-
 Label = Callable[[Setting], str]
 
 
@@ -171,7 +167,7 @@ class Tree:
     def __getitem__(self, name: str) -> Setting:
         return self.settings[name]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Setting]:
         return iter(self.settings.values())
 
     def group(self, group: str) -> list[Setting]:
