@@ -143,3 +143,17 @@ def test_the_side_channel_keep_alive_is_its_own_setting():
     side = SideChannelConfig.load(None, env, budget=ConnectionBudget.load(None, env))
     assert side.budget is not None and side.budget.keep_alive_timeout == 2.0
     assert side.server_budget.keep_alive_timeout == 30.0
+
+
+def test_one_default_bind_host():
+    """The proxy and the engine API bind loopback unless told otherwise (deploy/k8s passes
+    --host=0.0.0.0 itself), in the CLI and in the library functions alike."""
+    import inspect
+
+    from kvbridge.server.api import run_server
+    from kvbridge.server.proxy import run_proxy
+    from kvbridge.settings import DEFAULT_HOST
+
+    assert SETTINGS["host"].default == DEFAULT_HOST == "127.0.0.1"
+    for fn in (run_proxy, run_server):
+        assert inspect.signature(fn).parameters["host"].default == DEFAULT_HOST, fn
