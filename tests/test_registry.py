@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -13,7 +14,7 @@ import httpx
 import msgspec
 import pytest
 
-from kvbridge.errors import ConfigError, RegistryError
+from kvbridge.errors import ConfigError, RegistryError, WatchCompacted
 from kvbridge.launch import KVBridgeProcess, free_port
 from kvbridge.registry import (
     INSTANCES_PREFIX,
@@ -318,3 +319,37 @@ def test_unhealthy_instance_is_withdrawn_until_it_recovers(etcd):
         assert key in reg.get_prefix(INSTANCES_PREFIX)[0]
     finally:
         registrar.deregister()
+
+
+def test_watch_from_a_compacted_revision_says_so(etcd):
+    """A watch resumed from a revision etcd has compacted away ends with WatchCompacted
+    (the caller lists again), not with a silent gap."""
+    reg = EtcdRegistry(parse_registry_url(etcd.url))
+    try:
+        _, start = reg.get_prefix(INSTANCES_PREFIX)
+        for i in range(3):
+            reg.put(INSTANCES_PREFIX + f"decode/c{i}", b"{}")
+        _, now = reg.get_prefix(INSTANCES_PREFIX)
+        r = httpx.post(f"http://127.0.0.1:{etcd.port}/v3/kv/compaction",
+                       json={"revision": now, "physical": True}, timeout=10, trust_env=False)
+        assert r.status_code == 200, r.text
+        with pytest.raises(WatchCompacted, match=f"compacted at {now}"):
+            for _ in reg.watch_prefix(INSTANCES_PREFIX, start + 1):
+                pass
+        # from the current revision on, the watch runs and sees a new put
+        seen: list = []
+
+        def watch() -> None:
+            with contextlib.suppress(RegistryError):
+                for ev in reg.watch_prefix(INSTANCES_PREFIX, now + 1):
+                    seen.append((ev.kind, ev.key))
+
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        reg.put(INSTANCES_PREFIX + "decode/after", b"{}")
+        _wait(lambda: seen, 10, "the put after the compaction")
+        assert seen == [("put", INSTANCES_PREFIX + "decode/after")]
+    finally:
+        reg.close()
+    t.join(5)
+    assert not t.is_alive()

@@ -1,16 +1,22 @@
 """etcd v3 through its gRPC gateway (JSON over HTTP/1.1), with the ``etcd3gw`` client.
 
 Unary calls (lease grant/keep-alive/revoke, put, range) go through ``etcd3gw``; the watch
-is read here, line by line from the gateway's stream, because a watch that ends (etcd
-restarted) or reports a compaction must be noticed, which etcd3gw's watcher does not do.
+is read here from the gateway's stream, on a connection this module owns (``http.client``
+on its own socket, so ``close`` can shut it down under a blocked read), because a watch
+that ends (etcd restarted) or reports a compaction must be noticed, which etcd3gw's
+watcher does not do.
 """
 
 from __future__ import annotations
 
 import base64
 import codecs
+import contextlib
+import http.client
 import json
 import logging
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -136,7 +142,8 @@ class EtcdRegistry:
         )  # etcd >= 3.4; skips a version round trip
         self._client.session.trust_env = False  # never through HTTP(S)_PROXY
         self._watch_lock = threading.Lock()
-        self._watches: set[requests.Response] = set()
+        self._watches: set[socket.socket] = set()
+        self._ssl: ssl.SSLContext | None = None
 
     def _call(self, fn: Callable[[], object], write: bool) -> object:
         if write:
@@ -202,38 +209,67 @@ class EtcdRegistry:
                 "start_revision": start_revision,
             }
         }
-        session = requests.Session()
-        session.trust_env = False
-        session.verify = self._client.session.verify
-        session.cert = self._client.session.cert
         try:
-            resp = session.post(
-                self._client.get_url("/watch"), json=body, stream=True, timeout=(self.timeout, None)
-            )
-        except requests.RequestException as e:
-            raise RegistryError(f"etcd {self.endpoint.url}: watch: {e}") from None
-        with self._watch_lock:
-            self._watches.add(resp)
+            conn, sock, resp = self._open_watch(body)
+        except (http.client.HTTPException, OSError, ValueError) as e:
+            raise RegistryError(f"etcd {self.endpoint.url}: watch: {type(e).__name__}: {e}"
+                                ) from None
         try:
             yield from self._read_stream(resp, max_value_bytes)
-        except (requests.RequestException, OSError, AttributeError) as e:
+        except (http.client.HTTPException, OSError, ValueError) as e:
             raise RegistryError(f"etcd {self.endpoint.url}: watch broke: {e!r}") from None
         finally:
             with self._watch_lock:
-                self._watches.discard(resp)
-            resp.close()
-            session.close()
+                self._watches.discard(sock)
+            conn.close()
+            sock.close()
         raise RegistryError(f"etcd {self.endpoint.url}: watch stream ended")
 
+    def _open_watch(self, body: dict
+                    ) -> tuple[http.client.HTTPConnection, socket.socket, http.client.HTTPResponse]:
+        """The watch request sent on a new connection, and its response's head read (both
+        within ``timeout``); reads of the stream then wait for events with no timeout."""
+        host = self.endpoint.host
+        sock = socket.create_connection((host.strip("[]"), self.endpoint.port),
+                                        timeout=self.timeout)
+        conn = http.client.HTTPConnection(host.strip("[]"), self.endpoint.port)
+        try:
+            if self.endpoint.tls:
+                sock = self._ssl_context().wrap_socket(sock, server_hostname=host.strip("[]"))
+            conn.sock = sock
+            with self._watch_lock:
+                self._watches.add(sock)
+            conn.request("POST", "/v3/watch", body=json.dumps(body).encode(),
+                         headers={"content-type": "application/json"})
+            resp = conn.getresponse()
+            sock.settimeout(None)
+        except BaseException:
+            with self._watch_lock:
+                self._watches.discard(sock)
+            conn.close()
+            sock.close()
+            raise
+        return conn, sock, resp
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        """As etcd3gw verifies: the endpoint's CA (else the system's), its client certificate."""
+        if self._ssl is None:
+            ctx = ssl.create_default_context(cafile=self.endpoint.ca_certs)
+            if self.endpoint.certfile:
+                ctx.load_cert_chain(self.endpoint.certfile, self.endpoint.keyfile)
+            self._ssl = ctx
+        return self._ssl
+
     @staticmethod
-    def _read_stream(resp: requests.Response, max_value_bytes: int | None
+    def _read_stream(resp: http.client.HTTPResponse, max_value_bytes: int | None
                      ) -> Iterator[WatchEvent]:
-        if resp.status_code != 200:
-            raise RegistryError(f"watch answered {resp.status_code}: {resp.text[:200]}")
+        if resp.status != 200:
+            text = resp.read(200).decode("utf-8", "replace")
+            raise RegistryError(f"watch answered {resp.status}: {text}")
         decoder = json.JSONDecoder()
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         buf = ""
-        for chunk in resp.iter_content(chunk_size=None):
+        while chunk := resp.read1(65536):
             buf += text.decode(chunk)
             while True:
                 buf = buf.lstrip()
@@ -263,14 +299,11 @@ class EtcdRegistry:
         """Ends every watch in progress (their iterators raise ``RegistryError``)."""
         with self._watch_lock:
             watches = list(self._watches)
-        for resp in watches:
-            try:
-                # Shutting the socket down wakes a reader blocked on it.
-                sock = resp.raw._fp.fp.raw._sock  # type: ignore[union-attr]
-                sock.shutdown(2)
-            except Exception:  # noqa: BLE001 - already closed or another layout
-                pass
-            resp.close()
+        for sock in watches:
+            # Shutting the socket down wakes a reader blocked on it (the base class's
+            # shutdown: SSLSocket's own would drop its TLS state under the reader).
+            with contextlib.suppress(OSError, ValueError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
         self._client.session.close()
 
 
