@@ -450,6 +450,18 @@ def test_least_outstanding_avoids_a_busy_prefill(serve: Serve, routing: str) -> 
             },
             "prompt is too long: 9000 > 8192 tokens",
         ),
+        (
+            404,
+            {
+                "error": {
+                    "message": "the model 'x' does not exist",
+                    "type": "invalid_request_error",
+                    "param": "model",
+                    "code": "model_not_found",
+                }
+            },
+            "does not exist",
+        ),
         (503, "engine is draining", "engine is draining"),
         (500, {"detail": "CUDA out of memory"}, "CUDA out of memory"),
     ],
@@ -465,10 +477,13 @@ def test_prefill_error_reaches_client(
     assert set(err) == {"message", "type", "param", "code"}
     assert reason in err["message"]
     assert prefill.url in err["message"]
-    assert err["code"] == status
+    # code is always a string: the engine's own when it gave one, else the HTTP status
+    engine_code = payload["error"]["code"] if isinstance(payload, dict) and "error" in payload \
+        else None
+    assert err["code"] == (engine_code if isinstance(engine_code, str) else str(status))
     if isinstance(payload, dict) and "error" in payload:
-        assert err["type"] == "BadRequestError"
-        assert err["param"] == "prompt"
+        assert err["type"] == payload["error"]["type"]
+        assert err["param"] == payload["error"]["param"]
     assert len(prefill.calls) == 1
     assert decode.calls == []
 

@@ -24,10 +24,10 @@ from kvbridge.handshake.etcd import HANDSHAKE_PREFIX
 from kvbridge.handshake.http_client import HttpHandshakeClient
 from kvbridge.registry import EtcdRegistry, InstanceRecord, instance_key, parse_registry_url
 from kvbridge.registry.record import INSTANCES_PREFIX
-from kvbridge.server.api import BackgroundServer
 from kvbridge.server.membership import MAX_RECORD_BYTES, Membership
 from kvbridge.server.proxy import build_proxy_app
 from kvbridge.server.routing import Router
+from kvbridge.testing.api_server import BackgroundServer
 from tests.helpers import compat, full_store, wait_until
 
 HOST = "127.0.0.1"
@@ -324,6 +324,29 @@ def test_proxy_admin_routes_need_the_admin_token_or_are_off():
     with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url, timeout=10) as c:
         for path in admin:
             assert c.get(path).status_code in (404, 405), path
+
+
+def test_proxy_admin_routes_are_off_by_default_and_metrics_is_set_apart():
+    admin = ("/v1/fleet", "/healthz/backends", "/v1/kv/prewarm")
+    urls = (["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
+    with BackgroundServer(build_proxy_app(*urls, prewarm=False)) as proxy, \
+            httpx.Client(base_url=proxy.url, timeout=10) as c:
+        for path in (*admin, "/metrics"):
+            assert c.get(path).status_code == 404, path  # nothing for operators by default
+        assert c.get("/health").status_code == 200
+    app = build_proxy_app(*urls, prewarm=False, admin_token="adm-1", metrics_route="open")
+    with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url, timeout=10) as c:
+        assert "kvbridge_proxy_requests" in c.get("/metrics").text  # scraped without a token
+        for path in admin:
+            assert c.get(path).status_code == 401, path
+    app = build_proxy_app(*urls, prewarm=False, admin_routes="open")
+    with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url, timeout=10) as c:
+        for path in (*admin, "/metrics"):  # served (the backends are down: a 503 says so)
+            assert c.get(path).status_code == (503 if "backends" in path else 200), path
+    with pytest.raises(ConfigError, match="needs an admin token"):
+        build_proxy_app(*urls, prewarm=False, admin_routes="token")
+    with pytest.raises(ConfigError, match="metrics route 'public'"):
+        build_proxy_app(*urls, prewarm=False, metrics_route="public")
 
 
 def test_rotation_end_to_end_without_restarting_server_or_client(tmp_path):

@@ -43,7 +43,8 @@ from kvbridge.limits import read_json_body
 from kvbridge.metadata import compat_of, decode_rank
 from kvbridge.metrics import CONTENT_TYPE, Metrics
 from kvbridge.model.loader import load_config, resolve_dtype
-from kvbridge.server.api import build_app, error_response
+from kvbridge.server.api import build_app
+from kvbridge.server.responses import error_response
 from kvbridge.settings import ROLES
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ class Instance:
                 here = opts.side_channel.advertised  # ranks on this host (all, on one node)
                 self.connector.store.rank_hosts = {
                     r: h or here for r, h in enumerate(engine.workers.rank_hosts)}
-                self.connector.store.health = self._health
+                self.connector.store.health = self.health_problem
                 log.info("side channel (%s) on %s:%d, advertised as %s", server.method,
                          opts.side_channel.side_channel_host, server.port,
                          opts.side_channel.advertised)
@@ -156,7 +157,7 @@ class Instance:
             threading.Thread(target=self._prewarm_logged, args=(host.strip("[]"), int(port)),
                              name="kvbridge-prewarm", daemon=True).start()
 
-    def _health(self) -> str | None:
+    def health_problem(self) -> str | None:
         """Why this instance cannot serve KV now (None: it can)."""
         if getattr(self, "engine", None) is None:
             return "starting"

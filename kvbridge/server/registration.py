@@ -42,5 +42,5 @@ def start_registration(inst: Instance, endpoint: EtcdEndpoint, url: str, ttl: in
     """Register ``inst`` and keep it registered (in a thread) until ``deregister``."""
     # Withdrawn while the engine cannot serve (e.g. a node of the instance is gone).
     return Registrar(
-        EtcdRegistry(endpoint), lambda: record_of(inst, url), ttl, health=inst._health
+        EtcdRegistry(endpoint), lambda: record_of(inst, url), ttl, health=inst.health_problem
     ).start()

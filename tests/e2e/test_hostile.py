@@ -55,6 +55,8 @@ class Proxy(KVBridgeProcess):
             str(self.port),
             "--kv-token-file",
             str(token_file),
+            "--admin-routes",  # the freeze test reads /healthz/backends
+            "open",
             env={**os.environ, "PYTHONPATH": str(ROOT), **ENV},
         )
 

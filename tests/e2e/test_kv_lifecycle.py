@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvbridge.server.api import BackgroundServer
 from kvbridge.server.proxy import build_proxy_app
+from kvbridge.testing.api_server import BackgroundServer
 from tests.e2e.conftest import PROMPTS, Serve, complete, free_port, start_all
 
 LONG = "A long prompt fills many blocks of the prefill's KV cache, on purpose. " * 14  # ~1 KB

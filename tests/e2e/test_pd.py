@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from kvbridge.server.api import BackgroundServer
 from kvbridge.server.proxy import build_proxy_app
+from kvbridge.testing.api_server import BackgroundServer
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Serve
 from tests.e2e.conftest import complete as _complete
 

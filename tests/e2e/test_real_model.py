@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvbridge.server.api import BackgroundServer
 from kvbridge.server.instance import model_identity
 from kvbridge.server.proxy import build_proxy_app
+from kvbridge.testing.api_server import BackgroundServer
 from tests.e2e.conftest import Serve, start_all
 from tests.helpers import wait_until
 from tests.real_model import CAPITAL_ANSWER, CAPITAL_QUESTION, smollm2_dir

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvbridge.server.api import BackgroundServer
 from kvbridge.server.proxy import build_proxy_app
+from kvbridge.testing.api_server import BackgroundServer
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.conftest import complete as _complete
 from tests.e2e.test_pd import _wait_blocks_back

@@ -1,0 +1,139 @@
+"""The proxy's one HTTP client towards engines: TLS settings, URL checks, timeouts, and how
+an engine's failure reads to the proxy's client (OpenAI-shaped errors)."""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import certifi
+import httpx
+from starlette.responses import JSONResponse
+
+from kvbridge.errors import ConfigError
+from kvbridge.server.responses import error_response
+from kvbridge.server.upstream import CLIENT_KEEP_ALIVE
+
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT",
+    "DEFAULT_TIMEOUT",
+    "HEALTH_TIMEOUT",
+    "EngineClient",
+    "check_urls",
+    "dumps",
+    "proxy_error",
+    "ssl_context",
+    "transport_error",
+    "upstream_reason",
+]
+
+# Read/write timeout per operation: a long prompt's prefill or a long non-streamed generation
+# sends nothing until it is done, so this is generous; connecting should be quick.
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_CONNECT_TIMEOUT = 10.0
+HEALTH_TIMEOUT = 5.0  # health probes, releases, shutdown's wait for them
+
+
+def dumps(obj: Any) -> bytes:
+    # Our own encoding rather than httpx's json=, which rejects NaN that json.loads accepted.
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def ssl_context(
+    ca_certs: str | None, client_cert: tuple[str, str] | None
+) -> ssl.SSLContext | bool:
+    """Verification settings for https engines; files are read now so mistakes fail at start."""
+    if ca_certs is None and client_cert is None:
+        return True  # httpx's default: verify against certifi's bundle
+    try:
+        ctx = ssl.create_default_context(cafile=ca_certs or certifi.where())
+        if client_cert is not None:
+            certfile, keyfile = client_cert
+            ctx.load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise ConfigError(f"cannot load TLS files for the proxy's engine client: {exc}") from exc
+    return ctx
+
+
+def check_urls(role: str, urls: Sequence[str], allow_none: bool = False) -> list[str]:
+    """``urls`` without trailing slashes; a ``ConfigError`` for one that is not http(s)."""
+    if isinstance(urls, str) or not (urls or allow_none):
+        raise ConfigError(f"the proxy needs a list of at least one {role} URL (or --registry)")
+    out = []
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"bad {role} URL {url!r}: expected http(s)://host:port")
+        out.append(url.rstrip("/"))
+    return out
+
+
+class EngineClient:
+    """The ``httpx.AsyncClient`` every hop, probe, prewarm and release goes through."""
+
+    def __init__(self, verify: ssl.SSLContext | bool, timeout: httpx.Timeout) -> None:
+        self.verify = verify
+        self.timeout = timeout
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        # Normally opened by the app's lifespan; opened here too if served without one.
+        if self._client is None:
+            self.open()
+        assert self._client is not None
+        return self._client
+
+    def open(self) -> None:
+        self._client = httpx.AsyncClient(
+            verify=self.verify,
+            timeout=self.timeout,
+            # Streams can be long-lived: don't make requests queue for a pool slot.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=100,
+                                keepalive_expiry=CLIENT_KEEP_ALIVE),
+            # Engines are internal: don't route them through HTTP(S)_PROXY from the environment.
+            trust_env=False,
+        )
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+
+def proxy_error(status: int, message: str, err_type: str = "upstream_error", param: Any = None,
+                code: str | None = None) -> JSONResponse:
+    """The proxy's error answer: OpenAI's shape, ``code`` the engine's own when it gave one,
+    else the HTTP status as a string."""
+    return error_response(status, message, err_type, param, code or str(status))
+
+
+def upstream_reason(resp: httpx.Response) -> tuple[str, str | None, Any, str | None]:
+    """(message, type, param, code) of an engine's error reply, whatever shape it has."""
+    try:
+        data = resp.json()
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            etype, code = err.get("type"), err.get("code")
+            return (str(err["message"]), etype if isinstance(etype, str) else None,
+                    err.get("param"), code if isinstance(code, str) else None)
+        for key in ("message", "detail", "error"):
+            if isinstance(data.get(key), str):
+                return data[key], None, None, None
+    text = resp.text.strip()[:1000]
+    return text or resp.reason_phrase or "no reason given", None, None, None
+
+
+def transport_error(role: str, url: str, exc: httpx.HTTPError) -> JSONResponse:
+    """502/504 for an engine that could not be reached or did not answer in time."""
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, httpx.TimeoutException):
+        return proxy_error(504, f"{role} {url} timed out ({type(exc).__name__}): {detail}",
+                           "timeout")
+    return proxy_error(502, f"{role} {url} unreachable ({type(exc).__name__}): {detail}")
