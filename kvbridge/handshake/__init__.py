@@ -1,4 +1,21 @@
-"""Handshake side channel: one strategy interface, three methods (``zmq``, ``http``, ``etcd``)."""
+"""Handshake side channel: one strategy interface, three methods (``zmq``, ``http``, ``etcd``).
+
+Modules (each imports only the ones above it in this list, and ``kvbridge`` modules below
+the package: errors, config, guard, metadata, net, background, registry):
+
+* ``base``               the interface: ``MetadataStore``, ``HandshakeServer``, ``HandshakeClient``
+* ``payloads``           opaque per-rank payloads in a versioned envelope (the vLLM plug-in)
+* ``authz``              who may fetch: named tokens, client-certificate allow-list, audit log
+* ``http_routes``        the http routes and media type both ends agree on
+* ``http_protocol``      uvicorn's httptools protocol with a cap on the request head (431)
+* ``http_server``        the http server: Starlette app, body limit, observer, threaded uvicorn
+* ``deadline_watchdog``  one thread that cuts a connection when its fetch's deadline passes
+* ``tls_sessions``       TLS client contexts and sessions shared per setting, bounded
+* ``http_client``        the http client on ``http.client``: keep-alive pool, capped replies
+* ``zmtp``               ZMTP 3.0 by hand, bounded: the listener and a one-request client
+* ``zmq``                the zmq method's messages, server and client (on ``zmtp``)
+* ``etcd``               the etcd method: envelopes published under a lease, read from a watch
+"""
 
 from __future__ import annotations
 

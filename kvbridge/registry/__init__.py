@@ -1,7 +1,12 @@
 """The fleet registry: instances register under an etcd lease, proxies watch them.
 
 ``parse_registry_url`` reads ``etcd://HOST:PORT`` (``etcds://`` for TLS);
-``Registrar`` keeps one instance's record alive; ``watch_instances`` feeds a live view.
+``Registrar`` keeps one instance's record alive; ``EtcdRegistry.watch_prefix`` feeds a live
+view (``kvbridge.server.membership``).
+
+Modules: ``record`` (an instance's record and its key, strict), ``etcd`` (the etcd v3
+client through the gRPC gateway: lease, put, range, a watch that reports compaction, and
+the ``Registrar``). A throw-away etcd for tests is ``kvbridge.testing.etcd``.
 """
 
 from __future__ import annotations
