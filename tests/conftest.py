@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import trustme
+
+from kvbridge.testing.certs import write_certs
 
 ROOT = Path(__file__).resolve().parent.parent
 KVPEER = str(ROOT / "tests" / "kvpeer.py")
@@ -20,15 +21,7 @@ KVPEER = str(ROOT / "tests" / "kvpeer.py")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A CA, a server certificate ("prefill") and a client certificate ("decode"),
     plus an unrelated CA ("other-ca.pem") that trusts neither."""
-    d = tmp_path_factory.mktemp("certs")
-    ca = trustme.CA()
-    ca.cert_pem.write_to_path(str(d / "ca.pem"))
-    for name in ("prefill", "decode"):
-        cert = ca.issue_cert("127.0.0.1", "localhost", "::1")
-        cert.cert_chain_pems[0].write_to_path(str(d / f"{name}.pem"))
-        cert.private_key_pem.write_to_path(str(d / f"{name}.key"))
-    trustme.CA().cert_pem.write_to_path(str(d / "other-ca.pem"))
-    return d
+    return write_certs(tmp_path_factory.mktemp("certs"), ("prefill", "decode"), other_ca=True)
 
 
 class PeerProcess:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable
 
 from kvbridge.handshake.base import MetadataStore, Reply
 from kvbridge.metadata import Compat, KVLayout, RankMetadata, compat_of
+from kvbridge.testing.wait import wait_until  # noqa: F401 (the one polling helper, re-exported)
 
 MODEL = "test-model"
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 2, 8, 4, 4, 16
@@ -65,24 +65,6 @@ class CountingStore(MetadataStore):
         with self._count_lock:
             self.requests.append(tp_rank)
         return super().reply(tp_rank)
-
-
-def wait_until(cond: Callable[[], object], timeout: float, what: str, *,
-               tolerate: tuple[type[BaseException], ...] = (), every: float = 0.02) -> object:
-    """Poll ``cond`` until it returns something true (returned), failing after ``timeout``.
-
-    An exception in ``tolerate`` counts as "not yet": a store that is slow to answer on a
-    busy machine (an etcd read timing out) must not fail an "eventually" check.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if value := cond():
-                return value
-        except tolerate:
-            pass
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(every)
 
 
 def refused_port() -> int:

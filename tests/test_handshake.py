@@ -21,7 +21,6 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
-import trustme
 import zmq
 
 from kvbridge.config import SideChannelConfig, TLSConfig
@@ -41,6 +40,7 @@ from kvbridge.handshake.http_server import HttpHandshakeServer
 from kvbridge.handshake.tls_sessions import cached_contexts, tls_sessions
 from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer, ZmqReply, ZmqRequest
 from kvbridge.metadata import SCHEMA_VERSION, encode_envelope
+from kvbridge.testing.certs import issue, new_ca
 from tests.helpers import (
     CountingStore,
     RawServer,
@@ -399,11 +399,7 @@ def test_server_certificate_from_untrusted_ca(servers, clients, certs):
 
 
 def test_server_certificate_for_another_host(servers, clients, tmp_path):
-    ca = trustme.CA()
-    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
-    cert = ca.issue_cert("prefill.example")
-    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "prefill.pem"))
-    cert.private_key_pem.write_to_path(str(tmp_path / "prefill.key"))
+    issue(new_ca(tmp_path), tmp_path, "prefill", "prefill.example")
     with serve("http", full_store(2), tmp_path) as server:
         client = clients("http", tls=TLSConfig(ca_certs=str(tmp_path / "ca.pem")))
         with pytest.raises(HandshakeError, match="(?i)certificate"):
@@ -425,9 +421,7 @@ def test_mtls_client_certificate_missing(mtls_server, clients, certs):
 
 
 def test_mtls_client_certificate_from_another_ca(mtls_server, clients, certs, tmp_path):
-    cert = trustme.CA().issue_cert("decode")
-    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "c.pem"))
-    cert.private_key_pem.write_to_path(str(tmp_path / "c.key"))
+    issue(new_ca(), tmp_path, "c", "decode")
     client = clients("http", tls=TLSConfig(str(tmp_path / "c.pem"), str(tmp_path / "c.key"),
                                            str(certs / "ca.pem")))
     err, _ = _elapsed(lambda: client.fetch(HOST, mtls_server.port))

@@ -4,12 +4,27 @@ line in them is accepted by kvbridge's own parser. Validated, not run on a clust
 
 from __future__ import annotations
 
+import os
+import re
+import ssl
+from pathlib import Path
+
 import kubernetes_validate
 import pytest
 import yaml
 
-from kvbridge.cli import multinode_config, parse_args
-from kvbridge.config import SideChannelConfig
+from kvbridge.cli import (
+    ENV_ONLY,
+    REGISTRY,
+    connection_budget,
+    multinode_config,
+    parse_args,
+    side_channel_flags,
+)
+from kvbridge.config import SideChannelConfig, TLSConfig, parse_cert_reqs
+from kvbridge.server.proxy import build_proxy_app
+from kvbridge.settings import SETTINGS, flag_label
+from kvbridge.testing.certs import issue, new_ca
 from tests.conftest import ROOT
 
 K8S = ROOT / "deploy" / "k8s"
@@ -113,17 +128,74 @@ def test_side_channel_probes_and_ports():
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"api": 8000, "nixl": 5600}
 
 
+POD_IP = "10.0.0.9"
+
+
+def _as_in_the_pod(spec: dict, root: Path) -> tuple[list[str], dict[str, str]]:
+    """The container's command line and environment as its pod sees them: every mounted
+    secret's keys as real files under ``root`` (certificates from the factory, a token;
+    a path outside the mounts stays missing), the downward API's pod IP."""
+    secrets = {d["metadata"]["name"]: d for _, d in DOCS if d["kind"] == "Secret"}
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    c = spec["containers"][0]
+    ca = new_ca()
+    for m in c.get("volumeMounts", []):
+        d = root / m["mountPath"].lstrip("/")
+        d.mkdir(parents=True)
+        for key in secrets[volumes[m["name"]]["secret"]["secretName"]]["stringData"]:
+            if key == "ca.crt":
+                ca.cert_pem.write_to_path(str(d / key))
+            elif key == "tls.crt":
+                issue(ca, d, "tls", cert_suffix=".crt")  # tls.crt and tls.key
+            elif key != "tls.key":
+                (d / key).write_text("k8s-" + os.urandom(16).hex())
+        for p in d.iterdir():  # with the secret volume's file mode
+            p.chmod(volumes[m["name"]]["secret"].get("defaultMode", 0o644))
+    args = [re.sub(r"(^|=)/", rf"\g<1>{root}/", a) for a in c["args"]]
+    env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+    env.update({e["name"]: POD_IP for e in c.get("env", [])
+                if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP"})
+    return args, env
+
+
 @pytest.mark.parametrize("name", ["kvbridge-prefill", "kvbridge-decode", "kvbridge-proxy"])
-def test_kvbridge_accepts_the_command_lines(name):
+def test_kvbridge_accepts_the_command_lines(name, tmp_path):
+    """Each command line, with the pod's files and environment, goes through its
+    sub-command's own configuration building (as ``kvbridge serve``/``proxy`` do before
+    they bind): the budget, the side channel (token read, registry URL parsed, an address
+    to advertise), TLS files loaded, the proxy's app built."""
     (spec,) = [spec for n, _, spec in _pod_specs() if n == name]
-    args = parse_args(spec["containers"][0]["args"], environ={})
+    argv, env = _as_in_the_pod(spec, tmp_path)
+    args = parse_args(argv, environ=env)
+    token = (tmp_path / "etc/kvbridge/token/token").read_text()
     assert args.registry == "etcd://kvbridge-etcd:2379"
+    budget = connection_budget(args)
+    SETTINGS.resolve(ENV_ONLY, environ=env)
     if args.command == "serve":
         assert args.host == "0.0.0.0" and args.registry_ttl == 10
-        env = {e["name"]: e for e in spec["containers"][0]["env"]}
-        assert env["KVBRIDGE_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == (
-            "status.podIP"
-        )
+        side = SideChannelConfig.load(side_channel_flags(args), env, flag_label, budget)
+        assert side.token == token and side.advertised == POD_IP  # not the wildcard it binds
+        assert (side.registry_endpoint.host, side.registry_endpoint.port) == ("kvbridge-etcd",
+                                                                              2379)
+        assert multinode_config(args, side) is None
+        api_tls = TLSConfig(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs,
+                            parse_cert_reqs(args.ssl_cert_reqs))
+        for tls in (api_tls, side.tls):  # what uvicorn loads: the files are usable
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                tls.certfile, tls.keyfile)
+            ssl.create_default_context(cafile=tls.ca_certs)
+        if args.role == "prefill":  # kubelet probes bring no client certificate
+            assert side.ssl_cert_reqs == ssl.CERT_OPTIONAL
+    else:
+        side = SideChannelConfig.load({n: getattr(args, n) for n in ["token_file", *REGISTRY]},
+                                      env, flag_label)
+        assert side.token == token
+        build_proxy_app(args.prefill, args.decode, ca_certs=args.ca_certs,
+                        client_cert=tuple(args.client_cert), timeout=args.timeout,
+                        prewarm=args.prewarm, kv_token=side.token,
+                        registry=side.registry_endpoint, routing=args.routing,
+                        prefill_timeout=args.prefill_timeout, admin_routes=args.admin_routes,
+                        metrics_route=args.metrics_route)
 
 
 # --- deploy/k8s/multinode/: one instance across pods, as a LeaderWorkerSet ---------------

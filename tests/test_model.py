@@ -30,6 +30,7 @@ from kvbridge.model import (
     write_tiny_checkpoint,
 )
 from kvbridge.model.llama import UnsupportedModelError
+from kvbridge.model.loader import TINY_CHAT_TEMPLATE
 from kvbridge.tp_mapping import rank_heads
 
 PROMPTS = ["Hello, world", "The quick brown fox jumps over the lazy dog", "x",
@@ -193,7 +194,8 @@ def test_checkpoint_engine_matches_builtin_model(tmp_path):
 
 
 def test_hf_tokenizer_matches_byte_tokenizer(tmp_path):
-    hf = load_tokenizer(write_tiny_checkpoint(tmp_path / "ckpt"))
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    hf = load_tokenizer(ckpt)
     byte = load_tokenizer(None)
     for text in [*PROMPTS, "", "  leading spaces\nand\ttabs"]:
         assert hf.encode(text) == byte.encode(text)
@@ -203,11 +205,22 @@ def test_hf_tokenizer_matches_byte_tokenizer(tmp_path):
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "hi "},
                                              {"type": "text", "text": "there"}]}]
-    # The checkpoint's Jinja template and the built-in default render the same prompt.
-    assert hf.chat_template is not None and byte.chat_template is None
+    # The checkpoint's Jinja template (its tokenizer_config.json's, not the built-in
+    # default) and the default render the same prompt; the template writes the BOS token.
+    assert hf.chat_template == TINY_CHAT_TEMPLATE and byte.chat_template is None
+    assert hf.apply_chat_template(messages) == hf.bos_token + byte.apply_chat_template(messages)
     assert hf.encode_chat(messages) == byte.encode_chat(messages)
     assert byte.apply_chat_template(messages) == \
         "<|system|>\nbe brief\n<|user|>\nhi there\n<|assistant|>\n"
+    # chat_template.jinja wins over tokenizer_config.json, and jinja2 renders it: a loop
+    # variable, a filter and the BOS token, which no fallback would produce.
+    (ckpt / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}{{ loop.index }}:{{ m['role'] | upper }}="
+        "{{ m['content'] }};{% endfor %}{% if add_generation_prompt %}>{% endif %}")
+    jinja = load_tokenizer(ckpt)
+    assert jinja.chat_template == (ckpt / "chat_template.jinja").read_text()
+    assert jinja.apply_chat_template(messages) == "<s>1:SYSTEM=be brief;2:USER=hi there;>"
+    assert jinja.apply_chat_template(messages, add_generation_prompt=False).endswith(";")
 
 
 def test_llama3_rope_scaling_only_changes_low_frequencies():

@@ -22,7 +22,6 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-import trustme
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -31,7 +30,8 @@ from starlette.routing import Route
 
 from kvbridge.errors import ConfigError
 from kvbridge.server.proxy import build_proxy_app
-from tests.helpers import RawServer, read_request
+from kvbridge.testing.certs import issue, new_ca
+from tests.helpers import RawServer, read_request, wait_until
 
 PREFILL_KV_PARAMS = {
     "do_remote_decode": True,
@@ -358,10 +358,7 @@ def test_dead_decode_fails_over_and_releases_the_hold(serve: Serve) -> None:
         assert r.status_code == 200, r.text
         assert r.json()["served_by"] == "d0"
         # the first prefill's blocks were released, and the prefill ran again for d0
-        deadline = time.monotonic() + 5
-        while not prefill.releases:
-            assert time.monotonic() < deadline, "no /v1/kv/release reached the prefill"
-            time.sleep(0.02)
+        wait_until(lambda: prefill.releases, 5, "a /v1/kv/release reached the prefill")
         assert prefill.releases == [prefill.kv_params]
         assert [c["path"] for c in prefill.calls] == ["/v1/completions"] * 2
         # the retry runs under an id of its own (the prefill may still hold the first);
@@ -393,10 +390,7 @@ def test_decode_dead_before_first_token_fails_over(serve: Serve, stream: bool) -
             r = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
             assert r.status_code == 200, r.text
             assert "d0" in r.text  # the whole answer came from the live decode
-            deadline = time.monotonic() + 5
-            while not prefill.releases:
-                assert time.monotonic() < deadline, "the first prefill's hold was not released"
-                time.sleep(0.02)
+            wait_until(lambda: prefill.releases, 5, "the first prefill's hold released")
             assert len(prefill.calls) == 2 and len(decode.calls) == 1
             view = client.get("/v1/fleet").json()
             assert {b["url"]: b["failures"] for b in view["decode"]} == {dead: 1, decode.url: 0}
@@ -424,10 +418,8 @@ def test_least_outstanding_avoids_a_busy_prefill(serve: Serve, routing: str) -> 
                 held = len(prefills[0].calls)
                 fut = pool.submit(client.post, "/v1/completions", json={"prompt": "x"})
                 futures.append(fut)
-                deadline = time.monotonic() + 5
-                while not fut.done() and len(prefills[0].calls) == held:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.01)
+                wait_until(lambda f=fut, n=held: f.done() or len(prefills[0].calls) != n, 5,
+                           "the request answered or held on p0", every=0.01)
             prefills[0].hold.set()
             assert [f.result(10).status_code for f in futures] == [200, 200, 200]
     # least outstanding: both went to the idle p1; round robin: the second went to p0
@@ -616,14 +608,10 @@ def test_config_errors(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("tls")
-    ca = trustme.CA()
-    server = ca.issue_cert("127.0.0.1", "localhost")
-    client = ca.issue_cert("proxy.kvbridge.test")
-    ca.cert_pem.write_to_path(str(d / "ca.pem"))
-    trustme.CA().cert_pem.write_to_path(str(d / "other-ca.pem"))
-    server.private_key_and_cert_chain_pem.write_to_path(str(d / "server.pem"))
-    client.cert_chain_pems[0].write_to_path(str(d / "client.crt"))
-    client.private_key_pem.write_to_path(str(d / "client.key"))
+    ca = new_ca(d)
+    new_ca(d, "other-ca")
+    issue(ca, d, "server", "127.0.0.1", "localhost", combined=True)
+    issue(ca, d, "client", "proxy.kvbridge.test", cert_suffix=".crt")
     return {
         name: str(d / name)
         for name in ("ca.pem", "other-ca.pem", "server.pem", "client.crt", "client.key")
@@ -792,10 +780,8 @@ def test_prewarm_refused_for_want_of_the_token_is_counted_and_logged(
         caplog.at_level(logging.ERROR, logger="kvbridge.server.proxy"),
         httpx.Client(base_url=serve(app), timeout=10, trust_env=False) as client,
     ):
-        deadline = time.monotonic() + 30
-        while not client.get("/v1/kv/prewarm").json()["done"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: client.get("/v1/kv/prewarm").json()["done"], 30, "prewarm done",
+                   every=0.05)
         metrics = client.get("/metrics").text
     assert 'kvbridge_proxy_prewarm_failures_total{reason="unauthorized"} 1.0' in metrics
     assert any("--kv-token-file" in r.message for r in caplog.records)

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import trustme
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvbridge import background
@@ -28,6 +27,7 @@ from kvbridge.server.membership import MAX_RECORD_BYTES, Membership
 from kvbridge.server.proxy import build_proxy_app
 from kvbridge.server.routing import Router
 from kvbridge.testing.api_server import BackgroundServer
+from kvbridge.testing.certs import issue, new_ca
 from tests.helpers import compat, full_store, wait_until
 
 HOST = "127.0.0.1"
@@ -219,15 +219,11 @@ def test_a_bad_key_under_the_handshake_prefix_does_not_stop_the_watch(etcd):
 def peer_certs(tmp_path_factory) -> dict[str, str]:
     """One CA; a server certificate for 127.0.0.1; client certificates for two names."""
     d = tmp_path_factory.mktemp("peer-certs")
-    ca = trustme.CA()
-    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    ca = new_ca(d)
     out = {"ca": str(d / "ca.pem")}
     for name, ids in (("server", ("127.0.0.1",)), ("decode-a", ("decode-a.kv.internal",)),
                       ("intruder", ("intruder.kv.internal",))):
-        cert = ca.issue_cert(*ids)
-        cert.cert_chain_pems[0].write_to_path(str(d / f"{name}.pem"))
-        cert.private_key_pem.write_to_path(str(d / f"{name}.key"))
-        out[name] = str(d / f"{name}.pem")
+        out[name] = str(issue(ca, d, name, *ids))
         out[name + ".key"] = str(d / f"{name}.key")
     return out
 
