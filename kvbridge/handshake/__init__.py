@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import logging
 
-from zmq import ZMQError  # not `import zmq`: the submodule .zmq would shadow it
-
 from kvbridge.config import SIDE_CHANNEL_PORT_SETTING, SideChannelConfig
 from kvbridge.errors import ConfigError
 from kvbridge.handshake.authz import Authorizer
@@ -60,7 +58,7 @@ def make_server(config: SideChannelConfig, store: MetadataStore,
                         "travel in clear (use --handshake http for TLS)")
         return ZmqHandshakeServer(store, config.side_channel_host, port, token=config.token,
                                   observer=observer, budget=config.server_budget)
-    except (OSError, ZMQError) as e:
+    except OSError as e:  # a bind fails as ConfigError already (net.listen_socket); other errors too
         raise bind_error(config.side_channel_host, port, SIDE_CHANNEL_PORT_SETTING, e) from None
 
 
