@@ -499,6 +499,7 @@ def test_dead_prefill_is_502_naming_it(serve: Serve) -> None:
         elapsed = time.monotonic() - start
     assert r.status_code == 502
     assert dead.url in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "502"  # a string, as every kvbridge server's
     assert elapsed < 5.0
     assert decode.calls == []
 
@@ -516,6 +517,7 @@ def test_slow_prefill_times_out_with_504(serve: Serve) -> None:
         prefill.hold.set()
     assert r.status_code == 504
     assert prefill.url in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "504"
     assert elapsed < 0.5 + 3.0  # the timeout plus a margin for a loaded machine
     assert decode.calls == []
 
@@ -553,6 +555,7 @@ def test_bad_json_is_400_without_calling_engines(
     r = client.post("/v1/completions", content=b"{not json")
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["code"] == "400"
     r = client.post("/v1/completions", json=["a", "list"])
     assert r.status_code == 400
     assert prefill.calls == [] and decode.calls == []
