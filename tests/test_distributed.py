@@ -9,7 +9,6 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -20,6 +19,7 @@ from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.workers import WorkerDiedError
 from kvbridge.launch import free_port
 from tests.conftest import ROOT
+from tests.helpers import wait_until
 
 PROMPTS = ["two nodes, one group", "abc"]
 
@@ -47,10 +47,7 @@ def test_two_nodes_match_one_and_a_lost_node_is_an_error() -> None:
             node.kill()  # the whole node: its ranks follow (they watch their parent)
             node.join()
             # Idle, the head notices through rank 0's heartbeat, and the next call says why.
-            deadline = time.monotonic() + 60
-            while eng.workers.alive:
-                assert time.monotonic() < deadline, "the lost node went unnoticed"
-                time.sleep(0.1)
+            wait_until(lambda: not eng.workers.alive, 60, "the lost node noticed", every=0.1)
             with pytest.raises(WorkerDiedError, match="a node of this instance is gone"):
                 eng.generate(PROMPTS[:1], sp)
         finally:

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Serve, free_port, start_all
+from tests.helpers import wait_until
 
 PROMPT = "Faults happen: a prefill dies, a decode dies, a side channel goes quiet. " * 2
 TIMEOUT = 3  # handshake timeout of every instance here
@@ -69,13 +70,6 @@ def _held(prefill: Serve) -> dict:
 
 def _free(engine: Serve) -> float:
     return engine.metric("kvbridge_blocks_free")
-
-
-def _wait(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_prefill_killed_before_handshake(decodes, reference, certs, token_file,
@@ -140,7 +134,8 @@ def test_prefill_restarted_on_same_ports(decodes, reference, certs, token_file, 
         # params of the dead instance name blocks that are gone: recomputed, not read
         assert _complete(rec, old) == reference
         assert rec.metric('kvbridge_kv_loads_total{outcome="ok"}') == ok + 1
-        _wait(lambda: p2.metric("kvbridge_held_requests") == 0, 20, "prefill to free")
+        wait_until(lambda: p2.metric("kvbridge_held_requests") == 0, 20, "prefill to free",
+                   every=0.05)
     finally:
         p2.stop()
 
@@ -156,7 +151,8 @@ def test_decode_killed_mid_request_prefill_frees_at_lease(certs, token_file, ser
         threading.Thread(target=lambda: _swallow(d, params), daemon=True).start()
         d.proc.send_signal(signal.SIGKILL)
         d.proc.wait()
-        _wait(lambda: _free(p) == free, 20, "prefill blocks back after the lease")
+        wait_until(lambda: _free(p) == free, 20, "prefill blocks back after the lease",
+                   every=0.05)
         assert p.metric("kvbridge_held_requests") == 0
     finally:
         d.stop()
@@ -198,7 +194,7 @@ def test_sigterm_drains_held_blocks(decodes, reference, certs, token_file, serve
     p = _prefill("draining", certs, token_file, serve_log_dir, "--kv-lease-seconds", "60")
     params = _held(p)
     p.proc.send_signal(signal.SIGTERM)
-    _wait(lambda: _api_closed(p), 20, "the prefill API to close")
+    wait_until(lambda: _api_closed(p), 20, "the prefill API to close", every=0.05)
     assert p.proc.poll() is None                                  # still draining
     ok = rec.metric('kvbridge_kv_loads_total{outcome="ok"}')
     assert _complete(rec, params) == reference                    # read from the drainer

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvbridge.bench.load import ClosedLoop
 from kvbridge.errors import RegistryError
 from kvbridge.launch import KVBridgeProcess, free_port
 from kvbridge.registry import INSTANCES_PREFIX, EtcdRegistry, InstanceRecord, parse_registry_url
@@ -39,54 +39,24 @@ def _wait(cond: Callable[[], object], timeout: float, what: str) -> float:
     return time.monotonic()
 
 
-class Load:
-    """``CLIENTS`` threads sending completions through the proxy until stopped, checking
-    each answer against the reference."""
+class Load(ClosedLoop):
+    """``CLIENTS`` closed-loop clients sending completions through the proxy until
+    stopped, each answer checked against the reference; every other request streamed
+    while ``streaming`` is set."""
 
     def __init__(self, url: str, reference: dict[str, str]):
-        self.url, self.reference = url, reference
-        self.ok = 0
-        self.errors: list[str] = []
-        self.streaming = True  # half the requests streamed while set
-        self.done = [0] * CLIENTS  # requests finished, per client
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(CLIENTS)
-        ]
+        self.streaming = True
 
-    def _run(self, i: int) -> None:
-        n = i
-        while not self._stop.is_set():
-            prompt = FLEET_PROMPTS[n % len(FLEET_PROMPTS)]
-            try:
-                got = complete(self.url, prompt, stream=self.streaming and bool(n % 2))
-                error = None if got == self.reference[prompt] else f"wrong answer {got!r}"
-            except (AssertionError, httpx.HTTPError) as e:
-                error = f"{type(e).__name__}: {str(e)[:300]}"
-            with self._lock:
-                if error is None:
-                    self.ok += 1
-                else:
-                    self.errors.append(error)
-                self.done[i] += 1
-            n += 1
+        def request(i: int, n: int) -> str | None:
+            prompt = FLEET_PROMPTS[(i + n) % len(FLEET_PROMPTS)]
+            got = complete(url, prompt, stream=self.streaming and bool((i + n) % 2))
+            return None if got == reference[prompt] else f"wrong answer {got!r}"
 
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(90)
+        super().__init__(CLIENTS, request)
 
     def progress(self, n: int, timeout: float = 60) -> None:
-        """Wait until ``n`` more requests have succeeded."""
-        target = self.ok + n
-        _wait(lambda: self.ok >= target or self.errors, timeout, f"{n} more answers")
-        assert not self.errors, self.errors[:5]
+        """Wait until ``n`` more requests have succeeded (failing at the first error)."""
+        self.wait_ok(n, timeout)
 
 
 def _serve(name: str, log_dir: Path, role: str, etcd: EtcdProcess) -> Serve:

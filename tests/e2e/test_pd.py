@@ -18,6 +18,7 @@ from kvbridge.server.proxy import build_proxy_app
 from kvbridge.testing.api_server import BackgroundServer
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Serve
 from tests.e2e.conftest import complete as _complete
+from tests.helpers import wait_until
 
 CONFIGS = [(1, 1), (1, 2), (2, 1), (2, 2)]
 
@@ -31,12 +32,9 @@ def _proxy(cluster, certs, prefill: str, decode: str) -> BackgroundServer:
 def _wait_blocks_back(engines: list[Serve], start: dict[str, float]) -> None:
     """Prefill frees its held blocks when decode's READ notifications arrive, a moment
     after the answer: wait for that condition (bounded), then compare."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if all(e.metric("kvbridge_blocks_free") == start[e.name] for e in engines):
-            return
-        time.sleep(0.05)
-    assert {e.name: e.metric("kvbridge_blocks_free") for e in engines} == start
+    wait_until(lambda: all(e.metric("kvbridge_blocks_free") == start[e.name] for e in engines),
+               20, "every engine's blocks back", every=0.05,
+               message=lambda: {e.name: e.metric("kvbridge_blocks_free") for e in engines})
 
 
 @pytest.mark.parametrize("method", ["http", "zmq"])
@@ -198,8 +196,6 @@ def test_metrics_move_by_exactly_what_happened(cluster, reference, certs):
     delta = {n: d.metric(n) - before[n] for n in names}
     assert delta == {names[0]: len(PROMPTS), names[1]: blocks, names[2]: blocks * block_bytes,
                      names[3]: 0}
-    deadline = time.monotonic() + 20
-    while p.metric('kvbridge_held_requests_released_total{why="read"}') < released + 3:
-        assert time.monotonic() < deadline, "prefill never saw every READ notification"
-        time.sleep(0.05)
+    wait_until(lambda: p.metric('kvbridge_held_requests_released_total{why="read"}')
+               >= released + 3, 20, "prefill saw every READ notification", every=0.05)
     assert p.metric('kvbridge_held_requests_released_total{why="read"}') == released + 3

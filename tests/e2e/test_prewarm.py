@@ -15,6 +15,7 @@ import pytest
 
 from tests.e2e.conftest import PROMPTS, Serve
 from tests.e2e.conftest import complete as _complete
+from tests.helpers import wait_until
 
 HANDSHAKES = "kvbridge_handshake_seconds_count"
 
@@ -39,10 +40,8 @@ def warm_decode(cluster, certs, token_file, serve_log_dir) -> Iterator[Serve]:
 
 
 def _wait_metric(d: Serve, name: str, at_least: float, what: str) -> None:
-    deadline = time.monotonic() + 30
-    while d.metric(name) < at_least:
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    wait_until(lambda: d.metric(name) >= at_least, 30, what, every=0.05,
+               message=lambda: f"{name} = {d.metric(name)}")
 
 
 def _held_params(p: Serve, prompt: str) -> dict:

@@ -19,27 +19,15 @@ import pytest
 
 from kvbridge.server.proxy import build_proxy_app
 from kvbridge.testing.api_server import BackgroundServer
+from kvbridge.testing.procfs import instance_rss_mib
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.conftest import complete as _complete
 from tests.e2e.test_pd import _wait_blocks_back
+from tests.helpers import wait_until
 
 SECONDS = float(os.environ.get("KVBRIDGE_SOAK_SECONDS", "12"))
 CLIENTS = int(os.environ.get("KVBRIDGE_SOAK_CLIENTS", "8"))
 MEMORY_SLACK_MIB = 64  # allocator noise; a leak per request grows without bound
-
-
-def _rss_mib(pid: int) -> float:
-    """Resident memory of a process and its children (the TP workers)."""
-    total = 0
-    pids = [pid]
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    if children.exists():
-        pids += [int(c) for c in children.read_text().split()]
-    for p in pids:
-        for line in Path(f"/proc/{p}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1])
-    return total / 1024
 
 
 def _proxy(p, d, certs: Path, token: str) -> BackgroundServer:
@@ -69,23 +57,24 @@ def test_soak(cluster, reference, certs, token_file):
                     n += 1
             return n, errs
 
-        deadline = time.monotonic() + 60
         with httpx.Client() as c:
-            while not (status := c.get(proxy.url + "/v1/kv/prewarm").json())["done"]:
-                assert time.monotonic() < deadline, status
-                time.sleep(0.05)
+            def prewarmed() -> dict | None:
+                st = c.get(proxy.url + "/v1/kv/prewarm").json()
+                return st if st["done"] else None
+
+            status = wait_until(prewarmed, 60, "the proxy's prewarm done", every=0.05)
         assert [pair["outcome"] for pair in status["pairs"]] == ["ok"], status
         # warm-up, then the memory baseline
         stop = time.monotonic() + min(3.0, SECONDS / 4)
         with cf.ThreadPoolExecutor(CLIENTS) as pool:
             list(pool.map(client, range(CLIENTS)))
-        rss0 = {e.name: _rss_mib(e.proc.pid) for e in (p, d)}
+        rss0 = {e.name: instance_rss_mib(e.proc.pid) for e in (p, d)}
         stop = time.monotonic() + SECONDS
         with cf.ThreadPoolExecutor(CLIENTS) as pool:
             for n, errs in pool.map(client, range(CLIENTS)):
                 done += n
                 failures += errs
-    rss1 = {e.name: _rss_mib(e.proc.pid) for e in (p, d)}
+    rss1 = {e.name: instance_rss_mib(e.proc.pid) for e in (p, d)}
     print(f"soak: {done} requests by {CLIENTS} clients in {SECONDS:g}s, "
           f"{len(failures)} failed; RSS MiB before {rss0} after {rss1}")
     assert done > CLIENTS and failures == []

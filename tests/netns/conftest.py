@@ -28,9 +28,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import trustme
 
+from kvbridge.testing.certs import write_certs
+from kvbridge.testing.prometheus import metric_total, parse_samples
 from tests.conftest import ROOT
+from tests.helpers import wait_until
 
 SUBNET = "198.18.0"
 START_TIMEOUT = 180.0
@@ -126,12 +128,8 @@ def net(request: pytest.FixtureRequest) -> Iterator[Net]:
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory, net: Net) -> Path:
     """A CA and one server certificate valid for every host's address."""
-    d = tmp_path_factory.mktemp("netns-certs")
-    ca = trustme.CA()
-    ca.cert_pem.write_to_path(str(d / "ca.pem"))
-    cert = ca.issue_cert(*[h.addr for h in net.hosts.values()], "127.0.0.1")
-    cert.cert_chain_pems[0].write_to_path(str(d / "server.pem"))
-    cert.private_key_pem.write_to_path(str(d / "server.key"))
+    d = write_certs(tmp_path_factory.mktemp("netns-certs"),
+                    identities=[*(h.addr for h in net.hosts.values()), "127.0.0.1"])
     (d / "token").write_text("netns-" + uuid.uuid4().hex)
     (d / "token").chmod(0o600)
     return d
@@ -221,27 +219,27 @@ class Client:
 
     def wait_status(self, url: str, status: int, deadline: float, what: str,
                     procs: list[Proc] = ()) -> None:
-        """Poll ``url`` until it answers ``status`` (a condition with a deadline)."""
-        while True:
-            got, body = self.request("GET", url, timeout=5)
-            if got == status:
-                return
+        """Poll ``url`` until it answers ``status`` (a condition with a deadline); one of
+        ``procs`` exiting meanwhile fails at once."""
+        last: list[object] = [None, ""]
+
+        def answered() -> bool:
+            last[:] = self.request("GET", url, timeout=5)
+            if last[0] == status:
+                return True
             for p in procs:
                 if p.proc.poll() is not None:
                     raise RuntimeError(f"{p.name} exited {p.proc.returncode}:\n{p.tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what}: {url} answers {got} {body[:200]}, not {status}")
-            time.sleep(0.2)
+            return False
+
+        wait_until(answered, max(0.0, deadline - time.monotonic()),
+                   f"{what}: {url} answers {status}", every=0.2,
+                   message=lambda: f"it answers {last[0]} {str(last[1])[:200]}")
 
     def metric(self, url: str, name: str) -> float:
         status, text = self.request("GET", url + "/metrics")
         assert status == 200, text
-        total = 0.0
-        for line in text.splitlines():
-            key, _, value = line.rpartition(" ")
-            if not line.startswith("#") and (key == name or key.startswith(name + "{")):
-                total += float(value)
-        return total
+        return metric_total(parse_samples(text), name)
 
     def close(self) -> None:
         if self._proc.stdin is not None:
