@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvbridge.metadata import compat_hash
-from kvbridge.registry.etcd import EtcdEndpoint, EtcdRegistry, Registrar
+from kvbridge.registry.etcd import EtcdEndpoint, EtcdRegistry
 from kvbridge.registry.record import InstanceRecord
+from kvbridge.registry.registrar import Registrar
 from kvbridge.settings import is_wildcard
 
 if TYPE_CHECKING:
