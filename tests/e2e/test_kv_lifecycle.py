@@ -290,3 +290,62 @@ def test_a_decode_that_refuses_a_request_releases_nothing(cluster, reference, to
     for params in victims:
         assert _release(p, params, token_file.read_text()).json() == {"released": True}
     _wait(lambda: p.metric("kvbridge_blocks_free") == start, 10, "the released blocks")
+
+
+# -- a hold is a capability, and a READ is validated -----------------------------------------
+
+def _stale(d: Serve) -> float:
+    return d.metric("kvbridge_kv_loads_stale_total")
+
+
+@pytest.mark.parametrize("attack", ["reordered blocks", "another prompt", "released and reused"])
+def test_a_read_of_blocks_that_are_not_the_prompts_is_never_used(
+        cluster, reference, token_file, attack):
+    """The decode READs the blocks, then their tags: blocks that do not hold this prompt's
+    KV at this position (kvbridge.kv_tags) fail the load, which is recomputed - the answer
+    is the monolithic one, never text from someone else's KV."""
+    p, d = cluster["p1-http"], cluster["d1"]
+    token = token_file.read_text()
+    prompt = PROMPTS[0]
+    ref = cluster["ref"]
+    params = _prefill_params(p, prompt)
+    assert len(params["remote_block_ids"]) >= 3
+    ask = prompt
+    if attack == "reordered blocks":
+        params = {**params, "remote_block_ids": params["remote_block_ids"][::-1]}
+    elif attack == "another prompt":
+        ask = prompt[::-1]  # as many tokens (the tiny model's tokenizer is byte-level)
+    else:
+        assert _release(p, params, token).json() == {"released": True}
+        _wait(lambda: p.metric("kvbridge_held_requests") == 0, 10, "the release")
+        # the freed blocks are taken by another prompt's KV (the free list is cycled
+        # through until they are: bounded by the prefill's block count)
+        for _ in range(int(p.metric("kvbridge_blocks_free"))):
+            other = _prefill_params(p, prompt[::-1])
+            assert _release(p, other, token).json() == {"released": True}
+            if set(other["remote_block_ids"]) & set(params["remote_block_ids"]):
+                break
+        else:
+            raise AssertionError("the released blocks were never reused")
+    want = reference[prompt] if ask == prompt else complete(ref.url, ask, verify=ref.verify)
+    stale = _stale(d)
+    assert complete(d.url, ask, verify=d.verify, kv_transfer_params=params) == want
+    assert _stale(d) == stale + 1
+    _wait(lambda: p.metric("kvbridge_held_requests") == 0, 10, "the holds' release")
+
+
+def test_a_release_needs_the_holds_key(cluster, token_file):
+    """Releases (the route, or a decode's note) without the key the params carried are
+    ignored and counted: knowing a request id (or the side-channel token) is not enough."""
+    p = cluster["p2-http"]
+    token = token_file.read_text()
+    params = _prefill_params(p, PROMPTS[1])
+    assert len(params["remote_hold_key"]) == 32
+    ignored = p.metric('kvbridge_kv_notes_ignored_total{why="bad_key"}')
+    keyless = {k: v for k, v in params.items() if k != "remote_hold_key"}
+    assert _release(p, keyless, token).json() == {"released": False}
+    assert _release(p, {**params, "remote_hold_key": "0" * 32}, token).json() == \
+        {"released": False}
+    assert p.metric('kvbridge_kv_notes_ignored_total{why="bad_key"}') == ignored + 2
+    assert p.metric("kvbridge_held_requests") >= 1
+    assert _release(p, params, token).json() == {"released": True}
