@@ -35,7 +35,8 @@ BUDGET = [s.name for s in SETTINGS.group("budget")]
 MULTINODE = [s.name for s in SETTINGS.group("multinode")]
 SERVE = ["role", "tp", "host", "port", "dtype", "num_blocks", "block_size",
          "kv_load_failure_policy", "kv_lease_seconds", "transfer_timeout"]
-PROXY = ["routing", "host", "port", "timeout", "prefill_timeout", "admin_token_file",
+PROXY = ["routing", "host", "port", "timeout", "prefill_timeout", "first_token_from",
+         "admin_token_file",
          "admin_routes", "metrics_route"]
 # Settings with no flag, read from the environment where they are used (kvbridge.limits,
 # kvbridge._nixl): checked when a server starts, so a bad one is one line.
@@ -310,7 +311,7 @@ def _proxy(args: argparse.Namespace) -> int:
               prefill_timeout=args.prefill_timeout,
               admin_token=read_token_file(args.admin_token_file) if args.admin_token_file
               else None, admin_routes=args.admin_routes, metrics_route=args.metrics_route,
-              budget=budget)
+              budget=budget, first_token_from=args.first_token_from)
     return 0
 
 

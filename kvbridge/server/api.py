@@ -186,7 +186,8 @@ class _API:
             log.info("request %s: the client's x-request-id %s is not used", request_id,
                      refused_id)
         outputs = self.engine.generate(prompt_ids, sampling, request_id, req.kv_transfer_params)
-        fmt = Formatter(self.engine.tokenizer, self.model_name, request_id, chat, len(prompt_ids))
+        fmt = Formatter(self.engine.tokenizer, self.model_name, request_id, chat, len(prompt_ids),
+                        req.kv_transfer_params.sent_token_ids if req.kv_transfer_params else None)
         headers = {"x-request-id": request_id}
         try:
             first = await anext(outputs)

@@ -24,8 +24,11 @@ class Formatter:
     """OpenAI response bodies and SSE chunks for one request."""
 
     def __init__(self, tokenizer: Any, model: str, request_id: str, chat: bool,
-                 num_prompt_tokens: int):
+                 num_prompt_tokens: int, sent_token_ids: list[int] | None = None):
         self.tokenizer = tokenizer
+        # Output tokens the client already has (``sent_token_ids``: the proxy streamed the
+        # prefill's first token): counted and decoded with the rest, never sent again.
+        self.sent_token_ids = list(sent_token_ids or [])
         self.model = model
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
@@ -41,6 +44,7 @@ class Formatter:
                 "choices": choices}
 
     def full(self, token_ids: list[int], last: RequestOutput) -> dict[str, Any]:
+        token_ids = self.sent_token_ids + token_ids
         text = self.tokenizer.decode(token_ids)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -72,10 +76,12 @@ class Formatter:
                      include_usage: bool) -> AsyncIterator[str]:
         # Closing ``outputs`` (also when the client disconnects) aborts the request.
         async with contextlib.aclosing(outputs):
-            if self.chat:
+            token_ids = list(self.sent_token_ids)
+            # characters of the decoded text already sent (a trailing incomplete character
+            # of the tokens already sent is not: the client got the text without it)
+            sent = len(self.tokenizer.decode(token_ids).rstrip("\ufffd")) if token_ids else 0
+            if self.chat and not token_ids:
                 yield sse(self._chunk("", None, role=True))
-            token_ids: list[int] = []
-            sent = 0  # characters of the decoded text already sent
             out = first
             while True:
                 token_ids += out.new_token_ids

@@ -235,6 +235,12 @@ SETTINGS = Tree([
     Setting("prefill_timeout", float, None,
             "Seconds the prefill hop may take before the client gets a 504 (unset: "
             "`timeout`).", "proxy", flag="--prefill-timeout", low=0.0, low_open=True),
+    Setting("first_token_from", str, "prefill",
+            "Where a streamed answer's first token comes from: `prefill` sends it as soon as "
+            "the prefill sampled it and the decode continues after it "
+            "(`kv_transfer_params.sent_token_ids`); `decode`: every token from the decode, "
+            "as vLLM's proxy does.", "proxy", env=("KVBRIDGE_FIRST_TOKEN_FROM",),
+            flag="--first-token-from", choices=("prefill", "decode")),
     Setting("admin_token_file", str, None,
             "The token of the routes set to `token` (`Authorization: Bearer <token>`, 401 "
             "otherwise).", "proxy", env=("KVBRIDGE_ADMIN_TOKEN_FILE",),

@@ -9,11 +9,13 @@ round differently only far below what could flip a greedy token.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import time
 
 import httpx
 import pytest
 
+from kvbridge.launch import read_metric
 from kvbridge.server.proxy import build_proxy_app
 from kvbridge.testing.api_server import BackgroundServer
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Serve
@@ -64,9 +66,11 @@ def test_concurrent_requests(cluster, reference, certs):
     _wait_blocks_back([p, d], start)
 
 
-def test_misplaced_blocks_change_the_answer(cluster, reference, certs):
-    """The check above can fail: feed the decode the prefill's blocks in the wrong
-    order and its answer must differ from the reference."""
+def test_misplaced_blocks_are_caught_not_answered_from(cluster, reference, certs):
+    """Feed the decode the prefill's blocks in the wrong order: the READ is done, but the
+    blocks' tags (protocol.md 9a) show they are not this prompt's, so the decode recomputes
+    rather than answer from them (tests/test_engine.py shows a wrong copy does change the
+    answer when nothing checks it)."""
     p, d = cluster["p1-zmq"], cluster["d1"]
     prompt = PROMPTS[0]
     r = httpx.post(p.url + "/v1/completions", verify=p.verify, timeout=60, json={
@@ -75,9 +79,12 @@ def test_misplaced_blocks_change_the_answer(cluster, reference, certs):
     params = r.json()["kv_transfer_params"]
     assert len(params["remote_block_ids"]) >= 3
     params["remote_block_ids"] = params["remote_block_ids"][::-1]
+    failed = d.metric('kvbridge_kv_loads_total{outcome="failed"}')
+    stale = d.metric("kvbridge_kv_loads_stale_total")
     got = _complete(d.url, prompt, verify=d.verify, kv_transfer_params=params)
-    assert d.metric('kvbridge_kv_loads_total{outcome="failed"}') == 0
-    assert got != reference[prompt]
+    assert got == reference[prompt]
+    assert d.metric('kvbridge_kv_loads_total{outcome="failed"}') == failed + 1
+    assert d.metric("kvbridge_kv_loads_stale_total") == stale + 1
 
 
 def _dead_params(cluster) -> dict:
@@ -199,3 +206,69 @@ def test_metrics_move_by_exactly_what_happened(cluster, reference, certs):
     wait_until(lambda: p.metric('kvbridge_held_requests_released_total{why="read"}')
                >= released + 3, 20, "prefill saw every READ notification", every=0.05)
     assert p.metric('kvbridge_held_requests_released_total{why="read"}') == released + 3
+
+
+# -- the first token straight from the prefill ------------------------------------------------
+
+def _stream_chat(url: str, verify=True, **extra) -> str:
+    body = {"model": "kvbridge-tiny", "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stream": True, "messages": [{"role": "user", "content": PROMPTS[1]}], **extra}
+    text = []
+    with httpx.Client(timeout=60, verify=verify) as c, c.stream(
+            "POST", url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text.append(chunk["choices"][0]["delta"].get("content", ""))
+    return "".join(text)
+
+
+def _proxy_metric(proxy: BackgroundServer, name: str) -> float:
+    with httpx.Client() as c:
+        return read_metric(c, proxy.url, name)
+
+
+FROM_PREFILL = 'kvbridge_proxy_first_token_from_total{source="prefill"}'
+
+
+@pytest.mark.parametrize("first_token_from", ["prefill", "decode"])
+def test_the_first_token_from_the_prefill_gives_the_same_text(cluster, reference, certs,
+                                                              first_token_from):
+    """Streamed through the proxy, the first token comes from the prefill's answer and the
+    decode continues after it: the text is the single engine's, greedy and seeded, for
+    completions and chat; with ``decode`` every token comes from the decode."""
+    p, d, ref = cluster["p2-http"], cluster["d1"], cluster["ref"]
+    start = {e.name: e.metric("kvbridge_blocks_free") for e in (p, d)}
+    seeded = {"temperature": 0.9, "seed": 11}
+    want_seeded = _complete(ref.url, PROMPTS[0], verify=ref.verify, **seeded)
+    want_chat = _stream_chat(ref.url, ref.verify)
+    app = build_proxy_app([p.url], [d.url], ca_certs=str(certs / "ca.pem"),
+                          metrics_route="open", first_token_from=first_token_from)
+    with BackgroundServer(app) as proxy:
+        for prompt in PROMPTS:
+            assert _complete(proxy.url, prompt, stream=True) == reference[prompt], prompt
+        assert _complete(proxy.url, PROMPTS[0], stream=True, **seeded) == want_seeded
+        assert _stream_chat(proxy.url) == want_chat
+        from_prefill = _proxy_metric(proxy, FROM_PREFILL)
+    assert from_prefill == (len(PROMPTS) + 2 if first_token_from == "prefill" else 0)
+    _wait_blocks_back([p, d], start)
+
+
+def test_a_one_token_answer_comes_from_the_prefill_alone(cluster, reference, certs,
+                                                         token_file):
+    """``max_tokens: 1`` (or a first token that ends the answer): the prefill's token is the
+    whole answer, no decode is asked, and the prefill's hold is released at once."""
+    p, d = cluster["p1-http"], cluster["d2"]
+    start = {e.name: e.metric("kvbridge_blocks_free") for e in (p, d)}
+    decoded = d.metric('kvbridge_kv_loads_total')
+    app = build_proxy_app([p.url], [d.url], ca_certs=str(certs / "ca.pem"),
+                          metrics_route="open", kv_token=token_file.read_text())
+    with BackgroundServer(app) as proxy:
+        got = _complete(proxy.url, PROMPTS[0], stream=True, max_tokens=1)
+        ref = cluster["ref"]
+        assert got == _complete(ref.url, PROMPTS[0], verify=ref.verify, max_tokens=1)
+        assert _proxy_metric(proxy, FROM_PREFILL) == 1
+    assert d.metric('kvbridge_kv_loads_total') == decoded
+    _wait_blocks_back([p, d], start)

@@ -48,7 +48,8 @@ class Proxy:
 
     def __init__(self, router: Router, engines: EngineClient, *, prewarm: bool = True,
                  kv_token: str | None = None, prefill_timeout: float | None = None,
-                 membership: Membership | None = None) -> None:
+                 membership: Membership | None = None,
+                 first_token_from: str = "prefill") -> None:
         self.router = router
         self.engines = engines
         self.prewarm = prewarm
@@ -57,7 +58,8 @@ class Proxy:
         self.tasks = TaskSet()
         self.releaser = Releaser(engines, self.metrics, self.tasks, kv_token)
         self.prewarmer = Prewarmer(router, engines, self.metrics, self.tasks, kv_token)
-        self.flow = Flow(router, engines, self.metrics, self.releaser, prefill_timeout)
+        self.flow = Flow(router, engines, self.metrics, self.releaser, prefill_timeout,
+                         first_token_from)
         self.admin = AdminRoutes(router, engines, self.metrics, self.prewarmer, membership)
 
     @contextlib.asynccontextmanager
@@ -123,6 +125,7 @@ def build_proxy_app(
     admin_token: str | None = None,
     admin_routes: str | None = None,
     metrics_route: str | None = None,
+    first_token_from: str = "prefill",
 ) -> Starlette:
     """The P/D proxy as a Starlette app.
 
@@ -141,6 +144,10 @@ def build_proxy_app(
     <admin_token>``) or ``"open"``; default ``"token"`` with an ``admin_token``, else
     ``"off"``. ``/metrics`` is ``metrics_route``, the same choices (default: as the admin
     routes).
+
+    ``first_token_from``: ``"prefill"`` streams a streamed answer's first token as soon as
+    the prefill sampled it, and the decode continues after it (``kvbridge.server.proxy.
+    first_token``); ``"decode"``: every token from the decode (vLLM's two-hop protocol).
     """
     router = Router(routing)
     router.add_static("prefill", check_urls("prefill", prefill_urls, registry is not None))
@@ -154,7 +161,7 @@ def build_proxy_app(
         membership = Membership(EtcdRegistry(registry), router, verify=verify)
     proxy = Proxy(router, EngineClient(verify, httpx.Timeout(timeout, connect=connect_timeout)),
                   prewarm=prewarm, kv_token=kv_token, prefill_timeout=prefill_timeout,
-                  membership=membership)
+                  membership=membership, first_token_from=first_token_from)
     if membership is not None:
         router.on_added = proxy.prewarmer.backend_added
     routes = [
@@ -191,6 +198,7 @@ def run_proxy(
     admin_routes: str | None = None,
     metrics_route: str | None = None,
     budget: ConnectionBudget | None = None,
+    first_token_from: str = "prefill",
 ) -> None:
     """Serve the proxy with uvicorn until interrupted.
 
@@ -212,6 +220,7 @@ def run_proxy(
         admin_token=admin_token,
         admin_routes=admin_routes,
         metrics_route=metrics_route,
+        first_token_from=first_token_from,
     )
     scheme = "https" if ssl_certfile else "http"
     print(

@@ -23,6 +23,7 @@ from kvbridge.server.proxy.engine_client import (
     transport_error,
     upstream_reason,
 )
+from kvbridge.server.proxy.first_token import FirstTokenStream, first_token
 from kvbridge.server.proxy.metrics import ProxyMetrics
 from kvbridge.server.proxy.relay import UpstreamResponse
 from kvbridge.server.proxy.release import Releaser
@@ -51,8 +52,10 @@ class Retry:
 
 class Flow:
     def __init__(self, router: Router, engines: EngineClient, metrics: ProxyMetrics,
-                 releaser: Releaser, prefill_timeout: float | None = None) -> None:
+                 releaser: Releaser, prefill_timeout: float | None = None,
+                 first_token_from: str = "prefill") -> None:
         self.router = router
+        self.first_token_from = first_token_from
         self.engines = engines
         self.metrics = metrics
         self.releaser = releaser
@@ -111,7 +114,11 @@ class Flow:
                 error = hop.error
                 failed_p.add(p.url)
                 continue
-            kv_params, decode_body = hop
+            kv_params, decode_body, pdata = hop
+            if self.first_token_from == "prefill" and (
+                    ft := first_token(body, pdata, kv_params, endpoint)) is not None:
+                return FirstTokenStream(self, p, d, ft, kv_params, decode_body, endpoint,
+                                        headers, request_id).response()
             answer = await self.decode_hop(p, d, kv_params, decode_body, endpoint, headers,
                                            request_id, last=attempt == 1)
             if not isinstance(answer, Retry):
@@ -124,9 +131,9 @@ class Flow:
     async def prefill_hop(
         self, p: Backend, body: dict[str, Any], endpoint: str, headers: dict[str, str],
         request_id: str
-    ) -> Response | Retry | tuple[Any, dict[str, Any]]:
-        """(kv_params, decode body), or the error for the client: final as a Response,
-        worth one more try elsewhere as a ``Retry``."""
+    ) -> Response | Retry | tuple[Any, dict[str, Any], dict[str, Any]]:
+        """(kv_params, decode body, the prefill's answer), or the error for the client:
+        final as a Response, worth one more try elsewhere as a ``Retry``."""
         prefill = p.url
         client = self.engines.http
         release = self.router.acquire(p)
@@ -187,7 +194,7 @@ class Flow:
             decode_body.pop("kv_transfer_params", None)
         else:
             decode_body["kv_transfer_params"] = kv_params
-        return kv_params, decode_body
+        return kv_params, decode_body, pdata
 
     async def decode_hop(
         self, p: Backend, d: Backend, kv_params: Any, decode_body: dict[str, Any],

@@ -40,6 +40,10 @@ class ProxyMetrics:
         self.failovers = Counter("kvbridge_proxy_failovers",
                                  "Requests retried on another instance, by failed hop",
                                  ["stage"], registry=r)
+        self.first_token_from = Counter(
+            "kvbridge_proxy_first_token_from",
+            "Streamed answers whose first token came straight from the prefill", ["source"],
+            registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
