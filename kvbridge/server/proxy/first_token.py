@@ -1,0 +1,204 @@
+"""The first token straight from the prefill (``--first-token-from prefill``, the default).
+
+The prefill hop already samples the answer's first token. For a streamed request the
+proxy sends it to the client at once, then asks the decode to continue after it
+(``kv_transfer_params.sent_token_ids``): the decode reads the prompt's KV, computes that
+one token and streams the rest. The client's time to first token is then the prefill
+hop's, not the prefill's plus the decode's (as in SGLang's disaggregation).
+
+Only for what the prefill answers exactly as the decode would: a streamed request of one
+choice, without logprobs, echo or stop strings, from a prefill that names the token it
+sampled (``remote_output_token_ids``: kvbridge's engine; a stock vLLM prefill does not, and
+its requests take the two-hop path). Once the first token is sent the response is
+committed: a decode that fails before its first byte is replaced once by another
+compatible decode, and otherwise the stream ends with an error event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from starlette.responses import StreamingResponse
+
+from kvbridge.errors import error_body
+from kvbridge.server.proxy.rewrite import CHAT
+from kvbridge.server.routing import Backend
+from kvbridge.server.sse import sse
+
+__all__ = ["FirstToken", "first_token"]
+
+log = logging.getLogger(__name__)
+
+# Request fields the prefill's one-token answer cannot stand in for.
+_NOT_FROM_PREFILL = ("logprobs", "top_logprobs", "echo", "stop", "best_of", "suffix")
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstToken:
+    """The prefill's first token, as the client's first chunk."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    id: str
+    created: int
+    model: str
+    usage: dict[str, Any] | None
+
+
+def first_token(body: dict[str, Any], pdata: dict[str, Any], kv_params: Any,
+                endpoint: str) -> FirstToken | None:
+    """The prefill's answer as a first token the client may get now, or None (two hops)."""
+    if body.get("stream") is not True or body.get("n") not in (None, 1):
+        return None
+    if any(body.get(k) not in (None, False, 0, []) for k in _NOT_FROM_PREFILL):
+        return None
+    if not isinstance(kv_params, dict):
+        return None
+    ids = kv_params.get("remote_output_token_ids")
+    if not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
+        return None
+    try:
+        choice = pdata["choices"][0]
+        text = choice["message"]["content"] if endpoint == CHAT else choice["text"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    if not isinstance(text, str):
+        return None
+    # An incomplete character is left to the decode, which decodes all tokens together.
+    return FirstToken(ids, text.rstrip("\ufffd"), choice.get("finish_reason"),
+                      str(pdata.get("id", "")), int(pdata.get("created", 0)),
+                      str(pdata.get("model", "")), pdata.get("usage"))
+
+
+def _wanted(body: dict[str, Any], endpoint: str) -> int | None:
+    for key in (("max_completion_tokens", "max_tokens") if endpoint == CHAT
+                else ("max_tokens",)):
+        if isinstance(body.get(key), int):
+            return body[key]
+    return None
+
+
+def _chunk(ft: FirstToken, chat: bool, text: str | None, finish: str | None
+           ) -> dict[str, Any]:
+    if chat:
+        delta: dict[str, Any] = {} if text is None else {"role": "assistant", "content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": ft.id, "object": obj, "created": ft.created, "model": ft.model,
+            "choices": [choice]}
+
+
+class FirstTokenStream:
+    """The streamed answer: the prefill's token now, then the decode's continuation."""
+
+    def __init__(self, flow: Any, p: Backend, d: Backend, ft: FirstToken, kv_params: dict,
+                 decode_body: dict[str, Any], endpoint: str, headers: dict[str, str],
+                 request_id: str) -> None:
+        self.flow, self.p, self.d, self.ft = flow, p, d, ft
+        self.kv_params = kv_params
+        self.body = {**decode_body,
+                     "kv_transfer_params": {**kv_params, "sent_token_ids": ft.token_ids}}
+        self.endpoint, self.headers, self.request_id = endpoint, headers, request_id
+        self.chat = endpoint == CHAT
+
+    def response(self) -> StreamingResponse:
+        return StreamingResponse(self._stream(), media_type="text/event-stream",
+                                 headers={"x-request-id": self.request_id})
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        ft = self.ft
+        self.flow.metrics.first_token_from.labels("prefill").inc()
+        done = ft.finish_reason == "stop" or _wanted(self.body, self.endpoint) == 1
+        yield sse(_chunk(ft, self.chat, ft.text, ft.finish_reason if done else None)).encode()
+        if done:  # nothing left for a decode: the prefill's answer is the whole answer
+            self.flow.releaser.later(self.p.url, self.kv_params, self.request_id)
+            options = self.body.get("stream_options")
+            if isinstance(options, dict) and options.get("include_usage") and ft.usage:
+                usage = _chunk(ft, self.chat, None, None)
+                usage["choices"], usage["usage"] = [], ft.usage
+                yield sse(usage).encode()
+            yield b"data: [DONE]\n\n"
+            return
+        failed: set[str] = set()
+        d: Backend | None = self.d
+        while d is not None:
+            relayed = False
+            continuation = self._decode(d)
+            try:
+                async for chunk in continuation:
+                    if chunk is None:
+                        break  # failed before its first byte: another decode may take it
+                    relayed = True
+                    yield chunk
+                else:
+                    return
+            finally:
+                await continuation.aclose()
+            if relayed:
+                return
+            failed.add(d.url)
+            d = self._another_decode(failed)
+        self.flow.releaser.later(self.p.url, self.kv_params, self.request_id)
+        yield sse(error_body("no decode instance could continue the answer after its first "
+                             "token", "upstream_error", None, "502")).encode()
+        yield b"data: [DONE]\n\n"
+
+    def _another_decode(self, failed: set[str]) -> Backend | None:
+        if len(failed) > 1:
+            return None  # one replacement, as for the two-hop path
+        pair = self.flow.router.pick_pair(set(), failed)
+        return pair[1] if pair is not None and pair[1].compatible(self.p) else None
+
+    async def _decode(self, d: Backend) -> AsyncIterator[bytes | None]:
+        """The decode's stream, relayed; ``None`` once if it failed before its first byte."""
+        flow, client = self.flow, self.flow.engines.http
+        release = flow.router.acquire(d)
+        try:
+            req = client.build_request("POST", d.url + self.endpoint,
+                                       content=json.dumps(self.body).encode(),
+                                       headers=self.headers)
+            try:
+                resp = await client.send(req, stream=True)
+            except httpx.HTTPError as exc:
+                log.warning("request %s: decode %s failed: %r", self.request_id, d.url, exc)
+                flow.metrics.upstream_errors.labels("decode").inc()
+                flow.router.failed(d)
+                yield None
+                return
+            try:
+                if resp.status_code >= 400:
+                    detail = await resp.aread()
+                    log.warning("request %s: decode %s returned %d: %s", self.request_id,
+                                d.url, resp.status_code, detail[:500].decode(errors="replace"))
+                    flow.metrics.upstream_errors.labels("decode").inc()
+                    # Nobody will read the prefill's blocks through this decode.
+                    if resp.status_code >= 500:
+                        flow.router.failed(d)
+                        yield None  # another decode may continue
+                        return
+                    # The request's own fault: the client gets the decode's error, in band.
+                    flow.releaser.later(self.p.url, self.kv_params, self.request_id)
+                    yield b"data: " + detail.strip() + b"\n\n" + b"data: [DONE]\n\n"
+                    return
+                first = True
+                async for chunk in resp.aiter_bytes():
+                    if first:
+                        flow.router.succeeded(d)
+                        first = False
+                    yield chunk
+            except httpx.HTTPError as exc:
+                log.error("decode %s failed mid-response: %r", d.url, exc)
+                raise
+            finally:
+                await resp.aclose()
+        finally:
+            release()
