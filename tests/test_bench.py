@@ -46,7 +46,7 @@ def _goals(data: dict) -> None:
 
 def test_every_benchmark_is_registered():
     assert set(BENCHMARKS) == {
-        "handshake", "sidechannel", "transfer", "serve", "fleet", "hostile", "vllm"}
+        "handshake", "sidechannel", "transfer", "serve", "fleet", "hostile", "vllm", "clients"}
 
 
 def test_handshake(tmp_path):
@@ -85,6 +85,7 @@ def test_transfer(tmp_path):
     d = _run("transfer", tmp_path)
     assert len(d["results"]) == len(d["config"]["blocks"]) * len(d["config"]["block_bytes"])
     for r in d["results"]:
+        _positive(r["nixl_tags_read"]["seconds"])
         _positive(r["bytes"], r["nixl_contiguous"]["gb_per_s"],
                   r["nixl_contiguous"]["descs_per_s"], r["memcpy_contiguous"]["gb_per_s"],
                   r["tcp_contiguous"]["gb_per_s"], r["nixl_over_memcpy"])
@@ -172,3 +173,22 @@ def test_hostile(tmp_path):
     pin = d["pinning_flood"]  # served, and the prefill's blocks not held
     assert pin["statuses"] == ["200"] and pin["non_ascii_id_status"] == 200
     assert pin["blocks_back_s"] < 5  # not at the 30 s lease
+    kv = d["kv_integrity"]
+    assert kv["keyless_releases"]["released"] == 0
+    assert kv["keyless_releases"]["ignored"] == kv["keyless_releases"]["tries"]
+    rounds = d["config"]["kv_rounds"]
+    for name, x in kv["reads"].items():
+        assert x["wrong_answers"] == 0, (name, x)
+        assert x["stale_loads"] == (0 if name == "normal" else rounds), (name, x)
+    assert d["audit_log"]["lines_per_1000"] == 1000  # one line per fetch
+    _positive(d["audit_log"]["bytes_per_1000"])
+
+
+def test_clients(tmp_path):
+    d = _run("clients", tmp_path)
+    assert set(d["clients"]) == {"httpx", "aiohttp"}
+    for s in d["clients"].values():
+        for kind in ("health", "first_byte", "completion"):
+            _positive(s[kind]["p50"], s[kind]["p99"])
+            assert s[kind]["p50"] <= s[kind]["p99"]
+        assert s["first_byte"]["p50"] <= s["completion"]["p50"]

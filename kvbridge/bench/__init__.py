@@ -13,4 +13,5 @@ BENCHMARKS: dict[str, str] = {
     "fleet": "kvbridge.bench.fleet",
     "hostile": "kvbridge.bench.hostile",
     "vllm": "kvbridge.bench.vllm",
+    "clients": "kvbridge.bench.clients",
 }
