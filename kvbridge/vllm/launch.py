@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from typing import Any, Literal
 import httpx
 
 from kvbridge.net import free_port
+from kvbridge.testing.prometheus import parse_samples
 
 Connector = Literal["kvbridge", "nixl", None]
 
@@ -167,15 +167,11 @@ class VllmServer:
 
     def metrics(self) -> dict[str, float]:
         """The server's Prometheus samples, summed over labels: ``{name: value}``."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
         out: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            m = re.match(r"^([^\s{]+)(?:\{[^}]*\})?\s+(\S+)", line)
-            if m:
-                with contextlib.suppress(ValueError):
-                    out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        for sample, value in parse_samples(httpx.get(f"{self.url}/metrics", timeout=10.0).text
+                                           ).items():
+            name = sample.partition("{")[0]
+            out[name] = out.get(name, 0.0) + value
         return out
 
     def stop(self, timeout: float = 30.0) -> None:
