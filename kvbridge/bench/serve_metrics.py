@@ -40,7 +40,7 @@ def _mean_ms(a: dict[str, float], b: dict[str, float], name: str) -> float:
 
 
 def breakdown(setup: str, a: dict[str, dict[str, float]], b: dict[str, dict[str, float]],
-              ttft_mean_ms: float) -> dict[str, float]:
+              ttft_mean_ms: float, first_from_prefill: bool = False) -> dict[str, float]:
     """The level's mean TTFT split into named parts that add up to it: the engines' own
     phases (``kvbridge_request_phase_seconds``), the proxy's prefill hop, and the rest
     (HTTP hops, the proxy's and the API's own work, the stream's relay) as the remainder."""
@@ -54,6 +54,14 @@ def breakdown(setup: str, a: dict[str, dict[str, float]], b: dict[str, dict[str,
                 "api_and_http_remainder": rest, "ttft_mean": ttft_mean_ms}
     hop = _mean_ms(a["proxy"], b["proxy"], "kvbridge_proxy_prefill_seconds")
     prefill_engine = phase("prefill", "time_to_first_token")
+    if first_from_prefill:
+        # The client's first token is the prefill's: the decode's phases come after it.
+        return {
+            "prefill_hop": hop,
+            "prefill_hop_engine_part": prefill_engine,
+            "proxy_and_http_remainder": ttft_mean_ms - hop,
+            "ttft_mean": ttft_mean_ms,
+        }
     decode = {p: phase("decode", p) for p in PHASES}
     return {
         "prefill_hop": hop,  # the proxy's own timing of the whole prefill request
