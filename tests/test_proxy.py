@@ -805,3 +805,62 @@ def test_prefill_timeout_fails_over_to_another_prefill(serve: Serve) -> None:
     assert all(
         c["body"]["kv_transfer_params"]["remote_engine_id"] == "engine-p1" for c in decode.calls
     )
+
+
+# -- the first token straight from the prefill ------------------------------------------------
+
+def _first_token_prefill(serve: Serve) -> FakeEngine:
+    (prefill,) = _engines(serve, "prefill", 1)
+    assert prefill.kv_params is not None
+    prefill.kv_params = {**prefill.kv_params, "remote_output_token_ids": [7]}
+    return prefill
+
+
+def test_first_token_from_the_prefill_then_a_live_decode(serve: Serve) -> None:
+    """The prefill's token is the stream's first chunk; a decode that dies before its first
+    byte is replaced by another one, which gets ``sent_token_ids``; the prefill is asked
+    once (its token is already with the client)."""
+    prefill = _first_token_prefill(serve)
+    (decode,) = _engines(serve, "decode", 1)
+    with RawServer(_dies_after_headers) as dying:
+        dead = f"http://127.0.0.1:{dying.port}"
+        app = build_proxy_app([prefill.url], [dead, decode.url], timeout=5.0,
+                              connect_timeout=2.0, prewarm=False, admin_routes="open")
+        with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
+            r = client.post("/v1/completions", json={"prompt": "x", "stream": True})
+            assert r.status_code == 200, r.text
+            events = [e for e in r.text.split("\n\n") if e]
+            assert json.loads(events[0][6:])["choices"][0]["text"] == "x"
+            assert "d0" in r.text and events[-1] == "data: [DONE]"
+            assert 'kvbridge_proxy_first_token_from_total{source="prefill"} 1.0' in client.get(
+                "/metrics").text
+    assert len(prefill.calls) == 1 and len(decode.calls) == 1
+    sent = decode.calls[0]["body"]["kv_transfer_params"]
+    assert sent["sent_token_ids"] == [7] and sent["remote_engine_id"] == "engine-p0"
+    assert prefill.releases == []  # the live decode reads the hold
+
+
+def test_first_token_from_the_prefill_without_a_decode_ends_with_an_error(serve: Serve) -> None:
+    prefill = _first_token_prefill(serve)
+    with RawServer(_dies_after_headers) as dying:
+        app = build_proxy_app([prefill.url], [f"http://127.0.0.1:{dying.port}"], timeout=5.0,
+                              connect_timeout=2.0, prewarm=False)
+        with httpx.Client(base_url=serve(app), timeout=10.0, trust_env=False) as client:
+            r = client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert r.status_code == 200  # committed with the first token
+    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e and e != "data: [DONE]"]
+    assert events[0]["choices"][0]["text"] == "x"
+    assert "no decode instance could continue" in events[-1]["error"]["message"]
+    wait_until(lambda: prefill.releases, 5, "the prefill's hold released")
+
+
+@pytest.mark.parametrize("body", [{"stream": False}, {"stream": True, "logprobs": 1},
+                                  {"stream": True, "stop": ["."]}])
+def test_the_first_token_waits_for_the_decode_when_the_prefill_cannot_stand_in(
+        serve: Serve, body: dict[str, Any]) -> None:
+    prefill = _first_token_prefill(serve)
+    (decode,) = _engines(serve, "decode", 1)
+    with _proxy(serve, [prefill], [decode]) as client:
+        r = client.post("/v1/completions", json={"prompt": "x", **body})
+        assert r.status_code == 200, r.text
+    assert "sent_token_ids" not in decode.calls[0]["body"]["kv_transfer_params"]

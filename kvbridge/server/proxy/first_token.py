@@ -196,6 +196,14 @@ class FirstTokenStream:
                         first = False
                     yield chunk
             except httpx.HTTPError as exc:
+                if first:  # died before its first byte: another decode may continue
+                    log.warning("request %s: decode %s failed before its first token: %r",
+                                self.request_id, d.url, exc)
+                    flow.metrics.upstream_errors.labels("decode").inc()
+                    flow.router.failed(d)
+                    yield None
+                    return
+                # The client already has part of the answer: cutting the connection says so.
                 log.error("decode %s failed mid-response: %r", d.url, exc)
                 raise
             finally:
