@@ -224,7 +224,7 @@ class Scheduler:
         del self.requests[seq.request_id]
         hold, params = self.connector.on_finished(seq.request_id, list(seq.block_table),
                                                   seq.kv_transfer_params, seq.num_cached_tokens)
-        if params is not None and seq.output_token_ids:
+        if hold and params is not None and seq.output_token_ids:  # a prefill's answer
             params = msgspec.structs.replace(params,
                                              remote_output_token_ids=seq.output_token_ids[:64])
         if hold and seq.block_table:
