@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any
 
+from kvbridge.testing.procfs import instance_rss_mib
+
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -75,7 +77,8 @@ class Child:
 
 
 def proc_stats(pid: int) -> dict[str, float]:
-    """CPU seconds (utime + stime) and peak / current RSS (MiB) of a process."""
+    """CPU seconds (utime + stime) and peak RSS (``VmHWM``, MiB) of a process, and the
+    current RSS of its instance (``kvbridge.testing.procfs.instance_rss_mib``)."""
     with open(f"/proc/{pid}/stat") as f:
         # fields after the command name (which may contain spaces) start at index 2
         rest = f.read().rsplit(")", 1)[1].split()
@@ -85,8 +88,7 @@ def proc_stats(pid: int) -> dict[str, float]:
         for line in f:
             if line.startswith("VmHWM:"):
                 out["peak_rss_mib"] = int(line.split()[1]) / 1024
-            elif line.startswith("VmRSS:"):
-                out["rss_mib"] = int(line.split()[1]) / 1024
+    out["rss_mib"] = instance_rss_mib(pid)
     return out
 
 

@@ -51,7 +51,7 @@ def _timed(fetch: Callable[[], object], n: int) -> tuple[list[float], int]:
     return times, failed
 
 
-def _settledinstance_rss_mib(pid: int, seconds: float = 3.0) -> float:
+def _settled_rss_mib(pid: int, seconds: float = 3.0) -> float:
     """RSS ``seconds`` after the attack ended (the server trims its heap a second after
     a burst of closed connections)."""
     time.sleep(seconds)
@@ -77,7 +77,7 @@ def side_channel_attack(
     peak = max(peak, instance_rss_mib(pid))
     for s in socks:
         s.close()
-    after = _settledinstance_rss_mib(pid)
+    after = _settled_rss_mib(pid)
     return {
         "connections": len(socks),
         "open_seconds": round(opened, 3),
@@ -110,7 +110,7 @@ def zmq_endless(
             if sent % 1000 == 0:
                 peak = max(peak, instance_rss_mib(pid))
     peak = max(peak, instance_rss_mib(pid))
-    after = _settledinstance_rss_mib(pid)
+    after = _settled_rss_mib(pid)
     times, failed = _timed(fetch, n_handshakes)
     return {
         "frames_tried": frames,
