@@ -5,6 +5,7 @@ Every setting is printed once at start-up by ``describe()`` (secrets redacted).
 
 from __future__ import annotations
 
+import re
 import ssl
 import stat
 from collections.abc import Mapping
@@ -37,7 +38,7 @@ DEFAULT_TRANSFER_TIMEOUT: float = SETTINGS["transfer_timeout"].default
 DEFAULT_NODE_TIMEOUT: float = SETTINGS["node_timeout"].default
 
 __all__ = ["SIDE_CHANNEL_PORT_SETTING", "MultiNodeConfig", "SideChannelConfig", "TLSConfig",
-           "parse_cert_reqs", "read_token_file"]
+           "parse_cert_reqs", "parse_tokens", "read_named_tokens", "read_token_file"]
 
 
 @dataclass(frozen=True)
@@ -163,8 +164,6 @@ class SideChannelConfig:
             raise ConfigError("ssl_allowed_peers needs client certificates: set ssl_cert_reqs "
                               "to required")
         if self.tokens_file:
-            from kvbridge.handshake.authz import read_named_tokens
-
             read_named_tokens(self.tokens_file)  # now, so a bad file fails at start
         if self.token and self.token_file:
             raise ConfigError("give the side-channel token either inline or as a file, not both")
@@ -199,6 +198,37 @@ def read_token_file(path: str) -> str:
     if not text:
         raise ConfigError(f"token file {path} is empty")
     return text
+
+
+_TOKEN_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+
+
+def parse_tokens(text: str, path: str) -> dict[str, str]:
+    """``name:token`` lines (blank lines and ``#`` comments skipped) -> {name: token}."""
+    out: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, token = line.partition(":")
+        name, token = name.strip(), token.strip()
+        if not sep or not _TOKEN_NAME.fullmatch(name) or not token:
+            raise ConfigError(f"{path}:{n}: expected NAME:TOKEN (NAME of [A-Za-z0-9_.@-])")
+        if name in out:
+            raise ConfigError(f"{path}:{n}: token name {name!r} appears twice")
+        out[name] = token
+    if not out:
+        raise ConfigError(f"{path}: no NAME:TOKEN line")
+    return out
+
+
+def read_named_tokens(path: str) -> dict[str, str]:
+    """A ``tokens_file``: ``name -> token``. The side channel's ``authz`` re-reads it when it
+    changes; here so that a bad file fails when the settings are checked."""
+    # same permission checks as a single token file; its text is the NAME:TOKEN lines
+    read_token_file(path)
+    with open(path) as f:
+        return parse_tokens(f.read(), path)
 
 
 def parse_cert_reqs(value: str | int | None) -> int:

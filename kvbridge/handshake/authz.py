@@ -23,41 +23,18 @@ import hmac
 import json
 import logging
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.config import SideChannelConfig, read_token_file
+from kvbridge.config import SideChannelConfig, parse_tokens, read_named_tokens, read_token_file
 from kvbridge.errors import ConfigError
 
 __all__ = ["AuditLog", "Authorizer", "Decision", "PeerAllowList", "TokenSet",
-           "cert_identities", "parse_tokens"]
+           "cert_identities", "parse_tokens", "read_named_tokens"]
 
 log = logging.getLogger(__name__)
-
-_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
-
-
-def parse_tokens(text: str, path: str) -> dict[str, str]:
-    """``name:token`` lines (blank lines and ``#`` comments skipped) -> {name: token}."""
-    out: dict[str, str] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name, sep, token = line.partition(":")
-        name, token = name.strip(), token.strip()
-        if not sep or not _NAME.fullmatch(name) or not token:
-            raise ConfigError(f"{path}:{n}: expected NAME:TOKEN (NAME of [A-Za-z0-9_.@-])")
-        if name in out:
-            raise ConfigError(f"{path}:{n}: token name {name!r} appears twice")
-        out[name] = token
-    if not out:
-        raise ConfigError(f"{path}: no NAME:TOKEN line")
-    return out
-
 
 class TokenSet:
     """The tokens a server accepts, by name; files are read again when they change."""
@@ -127,13 +104,6 @@ class TokenSet:
             if hmac.compare_digest(token.encode(), given.encode()):
                 found = name
         return found
-
-
-def read_named_tokens(path: str) -> dict[str, str]:
-    # same permission checks as a single token file; its text is the NAME:TOKEN lines
-    read_token_file(path)
-    with open(path) as f:
-        return parse_tokens(f.read(), path)
 
 
 def cert_identities(cert: dict[str, Any] | None) -> list[str]:
