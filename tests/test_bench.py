@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,27 @@ def test_transfer(tmp_path):
         if r["blocks"] > 1:
             _positive(r["nixl_scattered"]["gb_per_s"], r["memcpy_scattered"]["gb_per_s"])
     _goals(d)
+
+
+def test_transfer_netns(tmp_path):
+    """The peer in a network namespace of its own, UCX over TCP across a veth: every READ's
+    bytes cross the veth, and both namespaces are gone afterwards."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        reason = "network namespaces need root and the ip command (iproute2)"
+        (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)(reason)
+    d = _run("transfer", tmp_path, "--netns")
+    assert d["config"]["ucx_env"]["UCX_TLS"] == "tcp,self"
+    assert len(d["results"]) == len(d["config"]["blocks"]) * len(d["config"]["block_bytes"])
+    for r in d["results"]:
+        _positive(r["nixl_contiguous"]["gb_per_s"], r["tcp_contiguous"]["gb_per_s"],
+                  r["nixl_over_tcp"])
+        assert r["veth_rx_bytes_per_read"] >= r["bytes"]  # the READ went over the wire
+    _goals(d)
+    assert d["goals"]
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                          check=True).stdout
+    for ns in d["config"]["namespaces"].values():
+        assert ns not in left
 
 
 @pytest.mark.timeout(120)

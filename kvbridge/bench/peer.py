@@ -108,7 +108,7 @@ def transfer(args: argparse.Namespace) -> None:
     reg = agent.register_memory([(buf.data_ptr(), buf.nbytes, 0, "")], mem_type="DRAM")
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
+    listener.bind((args.bind, 0))
     listener.listen(4)
     view = memoryview(buf.numpy())
 
@@ -150,6 +150,7 @@ def main() -> None:
     kv_shape_args(s)
     t = sub.add_parser("transfer")
     t.add_argument("--pool-bytes", type=int, required=True)
+    t.add_argument("--bind", default="127.0.0.1", help="address of the TCP baseline's socket")
     args = p.parse_args()
     {"sidechannel": sidechannel, "transfer": transfer}[args.role](args)
 

@@ -39,10 +39,10 @@ READS_IN_FLIGHT = 4  # the same blocks split into this many READs at once
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--blocks", default="1,4,16,64,256,1024,4096",
-                   help="blocks per transfer (comma-separated)")
-    p.add_argument("--block-sizes", default="16384,65536,262144",
-                   help="block sizes in bytes (comma-separated)")
+    p.add_argument("--blocks", help="blocks per transfer (comma-separated; default "
+                   "1,4,16,64,256,1024,4096, with --netns 1,4,16,64,256)")
+    p.add_argument("--block-sizes", help="block sizes in bytes (comma-separated; default "
+                   "16384,65536,262144, with --netns 262144)")
     p.add_argument("--min-seconds", type=float, default=0.3,
                    help="repeat each point at least this long ...")
     p.add_argument("--min-iters", type=int, default=3, help="... and at least this often")
@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-scattered", dest="scattered", action="store_false",
                    help="skip the scattered block ids")
     p.add_argument("--no-tcp", dest="tcp", action="store_false", help="skip the TCP baseline")
+    p.add_argument("--netns", action="store_true",
+                   help="the peer in another network namespace (root; UCX_TLS=tcp,self): NIXL "
+                        "READ against a raw TCP stream across a veth (transfer_netns.py)")
 
 
 QUICK = {"blocks": "1,64", "block_sizes": "65536", "min_seconds": 0.0, "min_iters": 2,
@@ -118,8 +121,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvbridge._nixl import PROGRESS_DELAY_US, new_agent, nixl_api
 
     apply_quick(args, QUICK)
-    blocks = [int(x) for x in str(args.blocks).split(",")]
-    sizes = [int(x) for x in str(args.block_sizes).split(",")]
+    if args.netns:
+        from kvbridge.bench import transfer_netns
+
+        return transfer_netns.run(args)
+    blocks = [int(x) for x in str(args.blocks or "1,4,16,64,256,1024,4096").split(",")]
+    sizes = [int(x) for x in str(args.block_sizes or "16384,65536,262144").split(",")]
     max_blocks, max_size = max(blocks), max(sizes)
     pool = max_blocks * max_size
     torch.set_num_threads(1)
@@ -316,6 +323,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summary(r: dict[str, Any]) -> str:
+    if r["config"].get("mode") == "netns":
+        from kvbridge.bench.transfer_netns import summary as netns_summary
+
+        return netns_summary(r)
     lines = ["block  blocks      MiB  NIXL GB/s  scat GB/s  memcpy GB/s  TCP GB/s  "
              f"NIXL/memcpy  descs/s  {READS_IN_FLIGHT} READs GB/s  CMA GB/s  NIXL/CMA"]
     for x in r["results"]:
@@ -339,6 +350,10 @@ def summary(r: dict[str, Any]) -> str:
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
+    if r["config"].get("mode") == "netns":
+        from kvbridge.bench.transfer_netns import plot as netns_plot
+
+        return netns_plot(r, path)
     plt = pyplot()
     sizes = r["config"]["block_bytes"]
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
