@@ -179,7 +179,10 @@ class NixlWorkerConnector:
 
     def _client(self, method: str) -> HandshakeClient:
         if method not in self._clients:
-            self._clients[method] = make_client(self.spec.side_channel, self._compat, method)
+            # keep_warm: a known peer's connection outlives its keep-alive, so the next
+            # handshake with it (a new epoch, an invalidated peer) is a warm fetch
+            self._clients[method] = make_client(self.spec.side_channel, self._compat, method,
+                                                keep_warm=True)
         return self._clients[method]
 
     def _start(self, spec: LoadSpec) -> None:

@@ -63,8 +63,11 @@ def make_server(config: SideChannelConfig, store: MetadataStore,
 
 
 def make_client(config: SideChannelConfig, expected: Compat | None,
-                method: str | None = None) -> HandshakeClient:
-    """A client for ``method`` (default: the configured one)."""
+                method: str | None = None, keep_warm: bool = False) -> HandshakeClient:
+    """A client for ``method`` (default: the configured one). ``keep_warm``: an ``http``
+    client keeps its connection to every peer it fetched from alive, with a request
+    every half of ``side_channel_keep_alive_timeout`` at most (the peer's is assumed to be
+    the same setting); see ``kvbridge.handshake.http_client``."""
     method = method or config.handshake_method
     if method == "etcd":
         from kvbridge.handshake.etcd import EtcdHandshakeClient
@@ -77,6 +80,8 @@ def make_client(config: SideChannelConfig, expected: Compat | None,
     if method == "http":
         return HttpHandshakeClient(config.handshake_timeout, expected, config.token,
                                    config.max_message_bytes, tls=config.tls,
-                                   token_file=config.token_file)
+                                   token_file=config.token_file,
+                                   keep_warm=(config.side_channel_keep_alive_timeout / 2
+                                              if keep_warm else None))
     return ZmqHandshakeClient(config.handshake_timeout, expected, config.token,
                               config.max_message_bytes)

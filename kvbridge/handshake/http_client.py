@@ -3,7 +3,16 @@ bounded by one deadline per fetch (``deadline_watchdog``) and by ``max_message_b
 
 One keep-alive connection per peer (a small pool of idle ones when several threads fetch at
 once); TLS contexts and sessions from ``tls_sessions``, shared by every client with the same
-settings. Never follows redirects.
+settings: a new connection to a peer met before resumes its TLS session. Never follows
+redirects.
+
+Keep-warm (``keep_warm``, off unless asked for): the peer closes an idle keep-alive connection
+after its keep-alive timeout, and the next fetch then pays a TCP connect and a (resumed) TLS
+handshake. A client with ``keep_warm=S`` keeps the connection to every peer it fetched from
+(at most ``MAX_WARM_PEERS``): a background thread sends ``GET /healthz`` (no token, no
+metadata) on a connection idle for ``S`` seconds or more (checked every ``S / 2``), or
+reconnects (resuming the TLS session) when the peer closed it. A peer that does not answer
+is forgotten until the next fetch. ``warm(host, port)`` does the same once, on demand.
 """
 
 from __future__ import annotations
@@ -11,11 +20,13 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import logging
 import select
 import socket
 import ssl
 import threading
 import time
+from collections import OrderedDict
 
 from kvbridge.config import TLSConfig
 from kvbridge.errors import (
@@ -30,10 +41,16 @@ from kvbridge.handshake.deadline_watchdog import WATCHDOG
 from kvbridge.handshake.http_routes import MSGPACK, handshake_path
 from kvbridge.handshake.tls_sessions import TlsSessions, tls_sessions
 
-__all__ = ["MAX_IDLE_PER_PEER", "HttpHandshakeClient"]
+__all__ = ["MAX_IDLE_PER_PEER", "MAX_WARM_PEERS", "HttpHandshakeClient"]
 
 # Idle keep-alive connections kept per peer and client (more only while threads overlap).
 MAX_IDLE_PER_PEER = 4
+# Peers a keep-warm client keeps a connection to, the least recently used dropped first.
+MAX_WARM_PEERS = 256
+# What a keep-warm request asks for: the liveness route (no token, no metadata read).
+KEEP_WARM_PATH = "/healthz"
+
+log = logging.getLogger(__name__)
 
 
 class HttpHandshakeClient(HandshakeClient):
@@ -44,9 +61,14 @@ class HttpHandshakeClient(HandshakeClient):
 
     def __init__(self, timeout: float, expected, token: str | None = None,
                  max_message_bytes: int | None = None, tls: TLSConfig | None = None,
-                 scheme: str | None = None, token_file: str | None = None):
+                 scheme: str | None = None, token_file: str | None = None,
+                 keep_warm: float | None = None):
         """``token_file``: where ``token`` came from; read again when it changes, so the
-        token sent follows a rotation without a new client."""
+        token sent follows a rotation without a new client. ``keep_warm``: the longest a
+        connection to a known peer stays idle before a keep-warm request (below the peer's
+        keep-alive timeout; None: no keep-warm thread)."""
+        if keep_warm is not None and not keep_warm > 0:
+            raise ValueError(f"keep_warm must be > 0 seconds, got {keep_warm!r}")
         kwargs = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
         super().__init__(timeout, expected, token, **kwargs)
         tls = tls or TLSConfig()
@@ -61,6 +83,11 @@ class HttpHandshakeClient(HandshakeClient):
             self._headers["authorization"] = f"Bearer {self.token}"
         self._token_file = None if not (token_file and self.token) else TokenSet(
             {"token": self.token}, path=token_file)
+        self.keep_warm = keep_warm
+        # peer -> monotonic time of its last answer (fetch or keep-warm), least recent first
+        self._known: OrderedDict[tuple[str, int], float] = OrderedDict()
+        self._stop = threading.Event()
+        self._warmer: threading.Thread | None = None
 
     def _request_headers(self) -> dict[str, str]:
         if self._token_file is None:
@@ -72,16 +99,68 @@ class HttpHandshakeClient(HandshakeClient):
         with self._lock:
             return [c.sock for c in self._idle.get((host, port), [])]
 
+    def known_peers(self) -> list[tuple[str, int]]:
+        """The peers a keep-warm client keeps a connection to, least recently used first."""
+        with self._lock:
+            return list(self._known)
+
+    def warm(self, host: str, port: int) -> bool:
+        """Keep a verified connection to ``host:port`` ready for the next fetch: ``GET
+        /healthz`` on the idle keep-alive connection, or on a new one (resuming the peer's
+        TLS session when there is one). Bounded by the client's timeout, like a fetch.
+        True when the peer answered; False (never an exception) otherwise."""
+        try:
+            reply = self._request(host, port, None, time.monotonic() + self.timeout,
+                                  path=KEEP_WARM_PATH)
+        except Exception as e:  # a keep-warm failure only means the next fetch connects
+            log.debug("keep-warm %s:%s: %s", host, port, e)
+            with self._lock:
+                self._known.pop((host, port), None)
+            return False
+        return reply.status == 200
+
     def close(self) -> None:
+        self._stop.set()
+        warmer = self._warmer
+        if warmer is not None and warmer is not threading.current_thread():
+            warmer.join()  # a keep-warm request in flight is bounded by the timeout
         with self._lock:
             idle, self._idle = self._idle, {}
+            self._known.clear()
         for conns in idle.values():
             for c in conns:
                 c.close()
 
-    def _request(self, host: str, port: int, tp_rank: int | None, deadline: float) -> Reply:
+    def _seen(self, host: str, port: int) -> None:
+        """``host:port`` answered: keep its connection warm (when keep-warm is on)."""
+        if self.keep_warm is None or self._stop.is_set():
+            return
+        with self._lock:
+            self._known[(host, port)] = time.monotonic()
+            self._known.move_to_end((host, port))
+            while len(self._known) > MAX_WARM_PEERS:
+                self._known.popitem(last=False)
+            if self._warmer is None:
+                self._warmer = threading.Thread(target=self._keep_warm, daemon=True,
+                                                name="kvbridge-keep-warm")
+                self._warmer.start()
+
+    def _keep_warm(self) -> None:
+        assert self.keep_warm is not None
+        while not self._stop.wait(self.keep_warm / 2):
+            now = time.monotonic()
+            with self._lock:
+                due = [peer for peer, seen in self._known.items()
+                       if now - seen >= self.keep_warm / 2]
+            for host, port in due:
+                if self._stop.is_set():
+                    return
+                self.warm(host, port)
+
+    def _request(self, host: str, port: int, tp_rank: int | None, deadline: float,
+                 path: str | None = None) -> Reply:
         h = f"[{host}]" if ":" in host else host
-        path = handshake_path(tp_rank)
+        path = path or handshake_path(tp_rank)
         url = f"{self.scheme}://{h}:{port}{path}"
         if deadline - time.monotonic() <= 0:
             raise HandshakeTimeout(f"http handshake with {url}: no time left")
@@ -122,6 +201,7 @@ class HttpHandshakeClient(HandshakeClient):
             raise HandshakeTimeout(f"{url}: reply not complete within {self.timeout:g}s")
         if keep:
             self._give(host, port, conn)
+            self._seen(host, port)
         else:
             conn.close()
         if status != 200:
