@@ -1,9 +1,16 @@
-"""The serving side's rooms: the proxy loads no engine (and so no torch)."""
+"""The package's rooms: the proxy loads no engine (and so no torch); the layers, line
+budget and private names of docs/layout.md, checked from the source with ``ast``."""
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -31,3 +38,261 @@ def test_the_proxy_loads_no_torch():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "usage: kvbridge proxy" in out.stdout and "loaded: []" in out.stdout
+
+
+# -- the package's layers, from docs/layout.md, checked against the source with ast ------------
+
+LAYOUT_DOC = ROOT / "docs" / "layout.md"
+PACKAGE = ROOT / "kvbridge"
+LINE_BUDGET = 400
+
+
+@dataclass(frozen=True)
+class Import:
+    target: str  # the kvbridge module imported (``from kvbridge.x import y``: kvbridge.x[.y])
+    names: tuple[str, ...]  # the names taken from it (empty for ``import a.b``)
+    line: int
+    local: bool  # inside a function
+    type_only: bool  # under ``if TYPE_CHECKING:``
+
+
+@dataclass(frozen=True)
+class LayerMap:
+    layers: dict[str, int]  # room ("config.py", "handshake/") -> layer
+    lazy_upward: frozenset[tuple[str, str]]  # (importer module, imported module) allowed
+    over_budget: frozenset[str]  # paths relative to the repository
+
+
+def _section(text: str, title: str) -> str:
+    head = f"### {title}\n"
+    assert head in text, f"docs/layout.md has no section {title!r}"
+    return text.split(head, 1)[1].split("\n#", 1)[0]
+
+
+def read_layer_map(text: str) -> LayerMap:
+    layers = {m[2]: int(m[1]) for m in re.finditer(r"^\| (\d+) \| `([^`]+)` \|", text, re.M)}
+    lazy = frozenset((m[1], m[2]) for m in re.finditer(
+        r"^- `([\w.]+)` → `([\w.]+)`", _section(text, "Function-local upward imports allowed"),
+        re.M))
+    over = frozenset(re.findall(r"^- `(kvbridge/[\w/]+\.py)`",
+                                _section(text, "Modules allowed over 400 lines"), re.M))
+    return LayerMap(layers, lazy, over)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room_of(module: str) -> str:
+    """kvbridge.handshake.zmq -> "handshake/"; kvbridge.config -> "config.py"; the package
+    itself -> "__init__.py"."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__.py"
+    return parts[1] + "/" if (PACKAGE / parts[1]).is_dir() else parts[1] + ".py"
+
+
+def _is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports_of(module: str, source: str, is_package: bool = False) -> list[Import]:
+    """Every import of a kvbridge module in ``source`` (the module ``module``)."""
+    out: list[Import] = []
+
+    def visit(node: ast.AST, local: bool, type_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            in_fn = local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                ast.Lambda))
+            tc = type_only or (isinstance(child, ast.If)
+                               and "TYPE_CHECKING" in ast.unparse(child.test))
+            if isinstance(child, ast.Import):
+                out.extend(Import(a.name, (), child.lineno, in_fn, tc) for a in child.names
+                           if a.name.split(".")[0] == "kvbridge")
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = module.split(".") if is_package else module.split(".")[:-1]
+                    base = base[:len(base) - child.level + 1]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module or ""
+                if target.split(".")[0] == "kvbridge":
+                    plain = [a.name for a in child.names]
+                    subs = [n for n in plain if _is_module(f"{target}.{n}")]
+                    out.extend(Import(f"{target}.{n}", (), child.lineno, in_fn, tc) for n in subs)
+                    rest = tuple(n for n in plain if n not in subs)
+                    if rest:
+                        out.append(Import(target, rest, child.lineno, in_fn, tc))
+            visit(child, in_fn, tc)
+
+    visit(ast.parse(source), False, False)
+    return out
+
+
+def upward_imports(module: str, source: str, layer_map: LayerMap,
+                   is_package: bool = False) -> list[str]:
+    """Imports of ``module`` that point to its own layer's other rooms or above."""
+    layers = layer_map.layers
+    room = room_of(module)
+    if room not in layers:
+        return [f"{module}: its room {room} is not in docs/layout.md's table"]
+    problems = []
+    for imp in imports_of(module, source, is_package):
+        target_room = room_of(imp.target)
+        if target_room == room:
+            continue
+        if target_room not in layers:
+            problems.append(f"{module}:{imp.line} imports {imp.target}, whose room "
+                            f"{target_room} is not in docs/layout.md's table")
+            continue
+        if layers[target_room] < layers[room]:
+            continue
+        if imp.local and (module, imp.target) in layer_map.lazy_upward:
+            continue
+        kind = ("function-local " if imp.local else "") + ("TYPE_CHECKING " if imp.type_only
+                                                           else "")
+        problems.append(f"{module}:{imp.line} ({room}, layer {layers[room]}) has a {kind}import "
+                        f"of {imp.target} ({target_room}, layer {layers[target_room]}): "
+                        "a room imports only lower layers")
+    return problems
+
+
+def private_imports(module: str, source: str, is_package: bool = False) -> list[str]:
+    """Private names (``_x``) ``module`` takes from a kvbridge module of another room."""
+    room = room_of(module)
+    problems = []
+    aliases: dict[str, str] = {}  # local name bound to a kvbridge module -> that module
+    tree = ast.parse(source)
+    for imp in imports_of(module, source, is_package):
+        if room_of(imp.target) != room:
+            problems += [f"{module}:{imp.line} imports the private name {n} from {imp.target}"
+                         for n in imp.names if n.startswith("_") and not n.startswith("__")]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "kvbridge":
+                    aliases[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                if _is_module(f"{node.module}.{a.name}"):
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            owner = ast.unparse(node.value)
+            if owner in aliases and room_of(aliases[owner]) != room:
+                problems.append(f"{module}:{node.lineno} reads the private name {node.attr} "
+                                f"of {aliases[owner]}")
+    return problems
+
+
+def _sources() -> list[tuple[Path, str, str]]:
+    return [(p, module_name(p), p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def _layer_map() -> LayerMap:
+    return read_layer_map(LAYOUT_DOC.read_text())
+
+
+def test_every_room_is_in_the_layer_map():
+    rooms = {room_of(m) for _, m, _ in _sources()}
+    listed = set(_layer_map().layers)
+    assert rooms == listed, (f"rooms missing from docs/layout.md: {sorted(rooms - listed)}; "
+                             f"listed but gone: {sorted(listed - rooms)}")
+
+
+def test_no_module_over_the_line_budget():
+    over = {str(p.relative_to(ROOT)): len(src.splitlines()) for p, _, src in _sources()
+            if len(src.splitlines()) > LINE_BUDGET}
+    allowed = _layer_map().over_budget
+    unlisted = {p: n for p, n in over.items() if p not in allowed}
+    assert not unlisted, (f"modules over {LINE_BUDGET} lines (split them by job): "
+                          + ", ".join(f"{p} ({n})" for p, n in sorted(unlisted.items())))
+
+
+def test_no_upward_import():
+    layer_map = _layer_map()
+    problems = [p for path, m, src in _sources()
+                for p in upward_imports(m, src, layer_map, path.name == "__init__.py")]
+    assert not problems, "\n".join(problems)
+
+
+def test_no_private_name_crosses_a_room():
+    problems = [p for path, m, src in _sources()
+                for p in private_imports(m, src, path.name == "__init__.py")]
+    assert not problems, "\n".join(problems)
+
+
+_MAP = LayerMap({"errors.py": 1, "config.py": 4, "handshake/": 5, "testing/": 10,
+                 "server/": 9, "engine/": 8}, frozenset({("kvbridge.config", "kvbridge.server.api")}),
+                frozenset())
+
+
+@pytest.mark.parametrize(("module", "source", "expected"), [
+    ("kvbridge.config", "from kvbridge.handshake.authz import Authorizer\n",
+     "kvbridge.config:1 (config.py, layer 4) has a import of kvbridge.handshake.authz"),
+    ("kvbridge.config", "def f():\n    from kvbridge.engine import LLMEngine\n",
+     "kvbridge.config:2 (config.py, layer 4) has a function-local import of kvbridge.engine"),
+    ("kvbridge.config", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+     "    import kvbridge.server.api\n", "has a TYPE_CHECKING import of kvbridge.server.api"),
+    ("kvbridge.server.api", "from kvbridge import testing\n",
+     "kvbridge.server.api:1 (server/, layer 9) has a import of kvbridge.testing"),
+    ("kvbridge.server.instance", "from ..testing.certs import issue\n",
+     "has a import of kvbridge.testing.certs (testing/, layer 10)"),
+    ("kvbridge.engine.engine", "from kvbridge.server.api import run_server\n",
+     "kvbridge.engine.engine:1 (engine/, layer 8) has a import of kvbridge.server.api"),
+])
+def test_an_upward_import_is_caught(module: str, source: str, expected: str):
+    problems = upward_imports(module, source, _MAP)
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+@pytest.mark.parametrize(("module", "source"), [
+    ("kvbridge.server.api", "from kvbridge.errors import ConfigError\nimport kvbridge.handshake.zmq\n"
+     "from kvbridge.engine import LLMEngine\nfrom . import responses\n"),
+    ("kvbridge.config", "def f():\n    from kvbridge.server.api import run_server\n"),  # listed
+    ("kvbridge.config", "from kvbridge.config import TLSConfig\n"),  # its own room
+])
+def test_a_downward_or_listed_import_passes(module: str, source: str):
+    assert upward_imports(module, source, _MAP) == []
+
+
+def test_a_listed_lazy_import_is_still_caught_at_module_level():
+    problems = upward_imports("kvbridge.config", "from kvbridge.server.api import run_server\n",
+                              _MAP)
+    assert problems and "kvbridge.server.api" in problems[0]
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("from kvbridge.handshake.authz import _NAME\n",
+     "kvbridge.config:1 imports the private name _NAME from kvbridge.handshake.authz"),
+    ("from kvbridge.errors import ConfigError, _helper\n",
+     "imports the private name _helper from kvbridge.errors"),
+    ("from kvbridge.handshake import zmq\nzmq._frames(b'')\n",
+     "kvbridge.config:2 reads the private name _frames of kvbridge.handshake.zmq"),
+    ("import kvbridge.guard as g\nx = g._conns\n", "reads the private name _conns of kvbridge.guard"),
+])
+def test_a_private_name_is_caught(source: str, expected: str):
+    problems = private_imports("kvbridge.config", source)
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_public_dunder_and_same_room_names_pass():
+    source = ("from kvbridge import __version__\nfrom kvbridge.handshake import zmq\n"
+              "zmq.ZmqHandshakeClient\nself_._x = 1\n")
+    assert private_imports("kvbridge.config", source) == []
+    assert private_imports("kvbridge.handshake.zmq", "from kvbridge.handshake.zmtp import _x\n"
+                           "from kvbridge.handshake import base\nbase._y\n") == []
+
+
+def test_the_layer_map_reads_its_exceptions():
+    text = ("| 3 | `registry/` | a | b |\n| 4 | `config.py` | c | d |\n"
+            "### Function-local upward imports allowed\n\n- `kvbridge.config` → "
+            "`kvbridge.handshake.etcd`: etcd3gw\n\n### Modules allowed over 400 lines\n\n"
+            "- `kvbridge/engine/workers.py`: one job\n")
+    got = read_layer_map(text)
+    assert got.layers == {"registry/": 3, "config.py": 4}
+    assert got.lazy_upward == {("kvbridge.config", "kvbridge.handshake.etcd")}
+    assert got.over_budget == {"kvbridge/engine/workers.py"}
