@@ -58,11 +58,23 @@ def test_handshake(tmp_path):
         w = d["warm_ms"][m]
         _positive(w["p50"], w["p90"], w["p99"])
         assert w["p50"] <= w["p90"] <= w["p99"] and w["n"] == d["config"]["warm"]
-        for part in ("total", "fetch", "connect"):
-            _positive(*(d["cold_ms"][m][part][q] for q in ("p50", "p90", "p99")))
+        for case in ("cold_ms", "known_ms", "known_idle_ms"):  # unknown peer, known peer
+            for part in ("total", "fetch", "connect"):
+                _positive(*(d[case][m][part][q] for q in ("p50", "p90", "p99")))
+            assert d[case][m]["total"]["n"] == d["config"]["cold"]
+        assert d["ratios"][f"{m}_known_over_zmq_cold_p50"] > 0
+        assert d["ratios"][f"{m}_known_idle_over_zmq_cold_p50"] > 0
+    for m in ("http", "https"):  # a keep-warm request, kept connection and reconnect
+        _positive(*(d["keep_warm_ms"][m][k]["p50"] for k in ("kept", "reconnect")))
+    # the TLS stack's cost for an unknown peer, part by part
+    assert set(d["tls_split_ms"]) == {"tcp_connect", "tls_full", "tls_resumed",
+                                      "first_get_tls", "first_get_plain"}
+    _positive(*(v["p50"] for v in d["tls_split_ms"].values()))
     _positive(d["ratios"]["http_over_zmq_warm_p50"], d["ratios"]["https_over_zmq_warm_p50"])
     _positive(*d["ratios"].values())
     assert len(d["goals"]) == 4
+    assert d["goals"][3]["goal"] == "cold https to a known peer p50 <= 1.5x cold zmq"
+    assert d["goals"][3]["value"] == round(d["ratios"]["https_known_over_zmq_cold_p50"], 3)
     _goals(d)
 
 
