@@ -9,9 +9,10 @@ redirects.
 Keep-warm (``keep_warm``, off unless asked for): the peer closes an idle keep-alive connection
 after its keep-alive timeout, and the next fetch then pays a TCP connect and a (resumed) TLS
 handshake. A client with ``keep_warm=S`` keeps the connection to every peer it fetched from
-(at most ``MAX_WARM_PEERS``): a background thread sends ``GET /healthz`` (no token, no
-metadata) on a connection idle for ``S`` seconds or more (checked every ``S / 2``), or
-reconnects (resuming the TLS session) when the peer closed it. A peer that does not answer
+(at most ``MAX_WARM_PEERS``): every ``S / 2`` seconds a background thread sends ``GET
+/healthz`` (no token, no metadata) on each connection idle for ``S / 2`` or more (so none
+stays idle much past ``S``), or reconnects (resuming the TLS session) when the peer closed
+it. A peer that does not answer
 is forgotten until the next fetch. ``warm(host, port)`` does the same once, on demand.
 """
 
