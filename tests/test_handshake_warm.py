@@ -17,14 +17,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from kvbridge.config import TLSConfig
+from kvbridge.config import SideChannelConfig, TLSConfig
 from kvbridge.errors import HandshakeTimeout
+from kvbridge.handshake import make_client
+from kvbridge.handshake.base import MetadataStore
 from kvbridge.handshake.http_client import KEEP_WARM_PATH, HttpHandshakeClient
 from kvbridge.handshake.http_server import HttpHandshakeServer
 from kvbridge.handshake.tls_sessions import tls_sessions
-from kvbridge.metadata import encode_envelope
+from kvbridge.kv_cache import allocate_kv_cache
+from kvbridge.metadata import compat_of, encode_envelope
+from kvbridge.peers import PeerManager
 from kvbridge.settings.budget import ConnectionBudget
+from kvbridge.tp_mapping import heads_per_rank
+from kvbridge.transfer import NixlAgent
 from tests.helpers import RawServer, compat, full_store, rank_meta, read_request, wait_until
 
 HOST = "127.0.0.1"
@@ -181,3 +188,61 @@ def test_deadline_bounds_a_known_peers_resumed_reconnect(certs, made):
 def test_keep_warm_must_be_positive():
     with pytest.raises(ValueError, match="keep_warm"):
         HttpHandshakeClient(1.0, compat(), keep_warm=0)
+
+
+# --- the decode side: PeerManager handshakes again with a known peer -------------------------
+
+def _kv_agent(tp: int) -> NixlAgent:
+    agent = NixlAgent()
+    agent.register_kv_cache(allocate_kv_cache(2, 4, heads_per_rank(tp, 4), 4, 8, torch.float32), 4)
+    return agent
+
+
+def test_handshake_again_after_an_epoch_change_reuses_the_warm_tls_connection(certs):
+    """A prefill's epoch changes behind a side channel that stays up (its ranks publish new
+    metadata): the decode's new handshake fetches over the connection its prewarm left, with
+    no TLS handshake at all; once the server closed it while idle, the next one resumes."""
+    prefill = [_kv_agent(2) for _ in range(2)]
+    decode = _kv_agent(1)
+    store = MetadataStore(compat_of("warm-test", prefill[0].kv), 2)
+    tls = TLSConfig(str(certs / "prefill.pem"), str(certs / "prefill.key"), str(certs / "ca.pem"))
+    server = HttpHandshakeServer(store, HOST, 0, token=TOKEN, tls=tls,
+                                 budget=ConnectionBudget(keep_alive_timeout=2.0))
+    client = HttpHandshakeClient(10.0, compat_of("warm-test", decode.kv), TOKEN,
+                                 tls=TLSConfig(ca_certs=str(certs / "ca.pem")))
+    mgr = PeerManager(decode, 0, 1, 4, lambda method: client)
+    server.start()
+    try:
+        port = server.port
+        for epoch in ("epoch-a", "epoch-b"):
+            for r, a in enumerate(prefill):
+                store.set_rank(a.rank_metadata("prefill-0", epoch, r, 2))
+            assert mgr.connect("prefill-0", HOST, port, 2, method="http",
+                               epoch=epoch).result(30).epoch == epoch
+            socks = client.idle_sockets(HOST, port)
+            if epoch == "epoch-a":
+                first = set(socks)  # the prewarm's connections (two ranks, in parallel)
+            else:
+                assert set(socks) <= first  # the same verified connections, no new one
+        wait_until(lambda: all(_closed_by_peer(s) for s in first), 10,
+                   "the server closes the idle connections")
+        mgr.invalidate("prefill-0")  # e.g. a failed READ
+        assert mgr.connect("prefill-0", HOST, port, 2, method="http").result(30)
+        socks = client.idle_sockets(HOST, port)
+        assert socks and not set(socks) & first and all(s.session_reused for s in socks)
+    finally:
+        mgr.close()
+        client.close()
+        server.stop()
+        for a in (*prefill, decode):
+            a.close()
+
+
+def test_make_client_keeps_warm_at_half_the_side_channel_keep_alive():
+    cfg = SideChannelConfig.load({"handshake_method": "http",
+                                  "side_channel_keep_alive_timeout": 12.0}, environ={})
+    warm, plain = make_client(cfg, compat(), keep_warm=True), make_client(cfg, compat())
+    assert isinstance(warm, HttpHandshakeClient) and warm.keep_warm == 6.0
+    assert isinstance(plain, HttpHandshakeClient) and plain.keep_warm is None
+    warm.close()
+    plain.close()
