@@ -25,7 +25,7 @@ PROMPTS = ["two nodes, one group", "abc"]
 
 
 def _node(port: int, tp: int) -> None:
-    from kvbridge.engine.workers import run_node
+    from kvbridge.engine.remote_node import run_node
 
     sys.exit(run_node(MultiNodeConfig(2, 1, "127.0.0.1", port, "127.0.0.1", 60), tp))
 

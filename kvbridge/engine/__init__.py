@@ -3,7 +3,9 @@
 ``LLMEngine`` (engine.py) drives a ``Scheduler`` (scheduler.py: continuous
 batching over a ``BlockManager``'s paged KV blocks) and a ``WorkerGroup``
 (workers.py: one ``ModelRunner`` per TP rank). ``AsyncEngine`` runs it in a
-background thread for the API server.
+background thread for the API server. An instance across nodes: ``distributed``
+(the process group and the calls rank 0 relays) and ``remote_node`` (``run_node``:
+the ranks of a non-head node).
 """
 
 from kvbridge.engine.async_engine import AsyncEngine, EngineDeadError

@@ -55,7 +55,7 @@ class EngineConfig:
             self.multinode.check(self.tp_size)
             if self.multinode.node_rank != 0:
                 raise ValueError("an engine runs on the head node (node rank 0); other "
-                                 "nodes run kvbridge.engine.workers.run_node")
+                                 "nodes run kvbridge.engine.remote_node.run_node")
 
     @property
     def uses_worker_processes(self) -> bool:

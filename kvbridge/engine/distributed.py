@@ -6,9 +6,9 @@ Every rank of every node joins one gloo process group; rendezvous is a
 holds ranks ``n * k .. n * k + k - 1`` with ``k = tp_size / nnodes``.
 
 The head process talks to its own node's ranks over pipes, as on one node
-(``kvbridge.engine.workers``). The ranks of the other nodes ("remote" ranks)
-are reached through global rank 0 with torch.distributed object collectives on a
-"control" group of rank 0 and every remote rank: rank 0 broadcasts each
+(``kvbridge.engine.workers``). The ranks of the other nodes ("remote" ranks, run by
+``kvbridge.engine.remote_node``) are reached through global rank 0 with torch.distributed
+object collectives on a "control" group of rank 0 and every remote rank: rank 0 broadcasts each
 ``(method, args)`` and gathers the replies. While the head is idle, rank 0
 broadcasts a ping every ``HEARTBEAT_S`` so that both sides notice a dead peer
 (a gloo operation on a closed connection raises at once; on a silent one it

@@ -20,8 +20,8 @@ the head process disappears (a watchdog thread polls for it).
 An instance that spans nodes (``config.multinode``, see
 ``kvbridge.engine.distributed``): the head forks only its own node's ranks and
 they join the group at ``master_addr:master_port``; the other nodes run
-``run_node`` (``kvbridge serve --headless``). Rank 0 relays each call to the
-remote ranks with object collectives and answers for all of them; it sends
+``kvbridge.engine.remote_node.run_node`` (``kvbridge serve --headless``). Rank 0 relays
+each call to the remote ranks with object collectives and answers for all of them; it sends
 them the head's ``EngineConfig`` and connector factory first, so every rank
 runs the same engine, engine id and epoch.
 
@@ -41,7 +41,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -59,7 +58,7 @@ _SHUTDOWN = distributed.SHUTDOWN
 # After one rank fails, how long the others get to answer before the group is declared
 # broken (a rank that failed before an all-reduce leaves the others blocked in it).
 _FAILURE_GRACE_S = 10.0
-_GLOO_TIMEOUT = timedelta(seconds=120)
+GLOO_TIMEOUT = timedelta(seconds=120)
 
 
 class WorkerGroup:
@@ -122,7 +121,7 @@ class WorkerGroup:
                 raise WorkerDiedError("the engine's workers are shut down")
             if self._local is not None:
                 try:
-                    return [_resolve(self._local, method)(*args)]
+                    return [resolve_method(self._local, method)(*args)]
                 except Exception as e:  # the same error type as from worker processes
                     raise WorkerError(f"[rank 0] {traceback.format_exc()}") from e
             for conn in self._conns:
@@ -207,7 +206,8 @@ def _join(errors: dict[int, str]) -> str:
     return "\n".join(f"[rank {r}] {tb}" for r, tb in sorted(errors.items()))
 
 
-def _resolve(runner: ModelRunner, method: str) -> Any:
+def resolve_method(runner: ModelRunner, method: str) -> Any:
+    """The runner's bound method named ``method`` (dotted; no private part)."""
     target: Any = runner
     for part in method.split("."):
         if part.startswith("_"):
@@ -216,7 +216,8 @@ def _resolve(runner: ModelRunner, method: str) -> Any:
     return target
 
 
-def _watch_head(head_pid: int) -> None:
+def watch_head(head_pid: int) -> None:
+    """Exit this rank process when the head process is gone (run in a daemon thread)."""
     # A rank blocked in a collective would not notice the head's pipe closing. The fork
     # server (our parent) exits with the head, so a new parent also means the head is gone.
     parent = os.getppid()
@@ -240,7 +241,7 @@ def _worker_main(conn: Connection, config: EngineConfig, rank: int,
                  head_pid: int) -> None:
     import torch.distributed as dist
 
-    threading.Thread(target=_watch_head, args=(head_pid,), daemon=True).start()
+    threading.Thread(target=watch_head, args=(head_pid,), daemon=True).start()
     runner = None
     control = None
     clean = False
@@ -251,9 +252,9 @@ def _worker_main(conn: Connection, config: EngineConfig, rank: int,
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{rendezvous}",
                                     rank=rank, world_size=config.tp_size,
-                                    timeout=_GLOO_TIMEOUT)
+                                    timeout=GLOO_TIMEOUT)
         else:
-            control = distributed.init_rank(rendezvous, rank, config.tp_size, _GLOO_TIMEOUT)
+            control = distributed.init_rank(rendezvous, rank, config.tp_size, GLOO_TIMEOUT)
             if rank != 0:
                 control = None  # only rank 0 of the head node talks to the remote ranks
             else:
@@ -273,7 +274,7 @@ def _worker_main(conn: Connection, config: EngineConfig, rank: int,
         with contextlib.suppress(OSError):
             conn.send(("error", str(e) if isinstance(e, NodeError) else traceback.format_exc()))
     finally:
-        _exit(runner, clean)
+        exit_rank(runner, clean)
 
 
 def _serve_pipe(conn: Connection, runner: ModelRunner, control: Any) -> bool:
@@ -319,12 +320,13 @@ def _serve_pipe(conn: Connection, runner: ModelRunner, control: Any) -> bool:
 
 def _run(runner: ModelRunner, method: str, args: tuple) -> tuple[str, Any]:
     try:
-        return ("ok", _resolve(runner, method)(*args))
+        return ("ok", resolve_method(runner, method)(*args))
     except Exception:
         return ("error", traceback.format_exc())
 
 
-def _exit(runner: ModelRunner | None, clean: bool = True) -> None:
+def exit_rank(runner: ModelRunner | None, clean: bool = True) -> None:
+    """Close the runner, leave the process group (unless broken) and end the process."""
     import torch.distributed as dist
 
     if runner is not None:
@@ -336,100 +338,3 @@ def _exit(runner: ModelRunner | None, clean: bool = True) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-# -- the other nodes of a multi-node instance (``kvbridge serve --headless``) ----------------
-
-NodeLocalizer = Callable[[WorkerConnectorFactory], WorkerConnectorFactory]
-
-
-def run_node(mn: MultiNodeConfig, tp_size: int, localize: NodeLocalizer | None = None,
-             on_ready: Callable[[list[int]], None] | None = None) -> int:
-    """Run this node's ranks until the head shuts them down (0) or is gone (1).
-
-    ``localize`` adapts the head's connector factory to this node (e.g. its own
-    certificate paths); ``on_ready`` is called once every local rank has joined.
-    """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["kvbridge.engine.model_runner"])
-    procs: list[mp.process.BaseProcess] = []
-    conns: list[Connection] = []
-    ranks = mn.local_ranks(tp_size)
-    try:
-        for rank in ranks:
-            parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=_remote_main, name=f"kvbridge-tp{rank}", daemon=True,
-                               args=(child_end, mn, rank, tp_size, localize, os.getpid()))
-            proc.start()
-            child_end.close()
-            procs.append(proc)
-            conns.append(parent_end)
-        failures = []
-        for rank, conn, proc in zip(ranks, conns, procs, strict=True):
-            try:
-                status, value = conn.recv()  # each rank bounds its own wait (node_timeout)
-            except (EOFError, OSError):
-                status, value = "error", f"rank {rank} exited ({proc.exitcode})"
-            if status != "ok":
-                failures.append(str(value).strip().splitlines()[-1])
-        if failures:
-            logger.error("node %d could not join: %s", mn.node_rank, "; ".join(failures))
-            return 1
-        if on_ready is not None:
-            on_ready(ranks)
-        wait([p.sentinel for p in procs])
-        # One rank ended: the head shut the instance down (all exit 0) or a peer is gone.
-        deadline = time.monotonic() + 10
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        codes = [p.exitcode for p in procs]
-        for conn in conns:
-            if conn.poll():
-                with contextlib.suppress(EOFError, OSError):
-                    logger.error("%s", conn.recv()[1])
-        return 0 if codes == [0] * len(procs) else 1
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join()
-        for conn in conns:
-            conn.close()
-
-
-def _remote_main(conn: Connection, mn: MultiNodeConfig, rank: int, tp_size: int,
-                 localize: NodeLocalizer | None, head_pid: int) -> None:
-    threading.Thread(target=_watch_head, args=(head_pid,), daemon=True).start()
-    runner = None
-    code = 0
-    try:
-        control = distributed.init_rank(mn, rank, tp_size, _GLOO_TIMEOUT)
-        config, factory = distributed.broadcast_command(control, None)
-        started: tuple[str, Any]
-        try:
-            if config.tp_size != tp_size:
-                raise NodeError(f"the head runs --tp {config.tp_size}, this node --tp {tp_size}")
-            runner = ModelRunner(config, rank, tp_size,
-                                 factory if localize is None else localize(factory))
-            started = ("ok", mn.host)
-        except Exception:
-            started = ("error", traceback.format_exc())
-        distributed.gather_replies(control, started, rank)
-        conn.send(started)
-        if runner is None:
-            code = 1
-            return
-        distributed.serve_remote(control, rank, lambda m, a: _resolve(runner, m)(*a))
-    except Exception as e:
-        code = 1
-        with contextlib.suppress(OSError):
-            conn.send(("error", str(e) if isinstance(e, NodeError) else traceback.format_exc()))
-    finally:
-        if code:
-            # The group may be broken: skip destroy_process_group, which could block.
-            if runner is not None:
-                runner.close()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        _exit(runner)

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from kvbridge.config import MultiNodeConfig, SideChannelConfig
-from kvbridge.engine.workers import run_node
+from kvbridge.engine.remote_node import run_node
 
 log = logging.getLogger(__name__)
 
