@@ -17,6 +17,10 @@ class ConfigError(KVBridgeError, ValueError):
     """A setting is missing, malformed or unsafe."""
 
 
+class UnsupportedModelError(ConfigError):
+    """A checkpoint's config asks for something this engine does not compute."""
+
+
 class WireFormatError(KVBridgeError):
     """A message is malformed: wrong types, unknown or missing fields, too large."""
 
@@ -96,6 +100,11 @@ class WorkerDiedError(KVBridgeError, RuntimeError):
 
 class NodeError(KVBridgeError, RuntimeError):
     """A node of a multi-node instance did not join in time, or is gone."""
+
+
+class ModelPrepareError(KVBridgeError):
+    """``kvbridge model prepare``: a model could not be prepared; the message is one line
+    that says why."""
 
 
 class InvalidKVTransferParams(KVBridgeError, ValueError):

@@ -296,3 +296,37 @@ def test_the_layer_map_reads_its_exceptions():
     assert got.layers == {"registry/": 3, "config.py": 4}
     assert got.lazy_upward == {("kvbridge.config", "kvbridge.handshake.etcd")}
     assert got.over_budget == {"kvbridge/engine/workers.py"}
+
+
+def exceptions_outside_errors(module: str, source: str, error_names: set[str]) -> list[str]:
+    """Public exception classes ``module`` defines (errors.py says every one lives there; a
+    ``_`` one is a module's own signal, caught inside it)."""
+    bases_of_errors = error_names | {"Exception", "BaseException", "ValueError", "RuntimeError",
+                                     "TimeoutError", "OSError"}
+    return [f"{module}:{node.lineno} defines the exception {node.name} (kvbridge/errors.py "
+            "holds every exception)"
+            for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ClassDef)
+            and not node.name.startswith("_") and any(ast.unparse(b).split(".")[-1] in bases_of_errors for b in node.bases)]
+
+
+def _error_names() -> set[str]:
+    tree = ast.parse((PACKAGE / "errors.py").read_text())
+    return {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+
+
+def test_every_exception_is_in_errors_py():
+    # testing/ is not the product: its WaitTimeout is an AssertionError of tests
+    problems = [p for path, m, src in _sources()
+                if m != "kvbridge.errors" and room_of(m) != "testing/"
+                for p in exceptions_outside_errors(m, src, _error_names())]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("source", [
+    "from kvbridge.errors import ConfigError\nclass BadModel(ConfigError):\n    pass\n",
+    "import kvbridge.errors\nclass Oops(kvbridge.errors.KVBridgeError):\n    pass\n",
+    "import os\nclass Mine(RuntimeError):\n    pass\nclass _Signal(Exception):\n    pass\n",
+])
+def test_an_exception_outside_errors_py_is_caught(source: str):
+    problems = exceptions_outside_errors("kvbridge.model.llama", source, _error_names())
+    assert len(problems) == 1 and "kvbridge.model.llama:2 defines the exception" in problems[0]

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvbridge.model.gguf_convert import unpermute_rope
 from kvbridge.model.models import (
     MARKER,
     SMOLLM2_135M_INSTRUCT,
@@ -23,7 +24,6 @@ from kvbridge.model.models import (
     lookup,
     model_dir,
     prepare,
-    unpermute_rope,
 )
 from tests.conftest import ROOT
 from tests.real_model import NAME, package_installed

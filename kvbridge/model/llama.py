@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, UnsupportedModelError
 from kvbridge.model.attention import AttentionMetadata, paged_attention
 from kvbridge.tp_mapping import rank_heads
 
@@ -96,10 +96,6 @@ class LlamaConfig:
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
         return max(1, self.num_key_value_heads // tp_size)
-
-
-class UnsupportedModelError(ConfigError):
-    """A checkpoint's config asks for something this engine does not compute."""
 
 
 ROPE_TYPES = ("default", "linear", "llama3")
