@@ -330,3 +330,11 @@ def test_every_exception_is_in_errors_py():
 def test_an_exception_outside_errors_py_is_caught(source: str):
     problems = exceptions_outside_errors("kvbridge.model.llama", source, _error_names())
     assert len(problems) == 1 and "kvbridge.model.llama:2 defines the exception" in problems[0]
+
+
+def test_readme_names_every_room():
+    """README's table of what is in it names every room of docs/layout.md."""
+    table = (ROOT / "README.md").read_text().split("## What is in it", 1)[1].split("\n## ", 1)[0]
+    missing = sorted(room for room in _layer_map().layers
+                     if room != "__init__.py" and f"`kvbridge/{room}`" not in table)
+    assert not missing, f"README.md's table does not name these rooms: {missing}"
