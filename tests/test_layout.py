@@ -338,3 +338,54 @@ def test_readme_names_every_room():
     missing = sorted(room for room in _layer_map().layers
                      if room != "__init__.py" and f"`kvbridge/{room}`" not in table)
     assert not missing, f"README.md's table does not name these rooms: {missing}"
+
+
+def module_order(docstring: str) -> list[str]:
+    """The modules a package docstring lists in order (``* ``name`` ...`` bullets) when it
+    says each imports only the ones above it."""
+    if "each imports only the ones above it in this list" not in " ".join(docstring.split()):
+        return []
+    return re.findall(r"^\* ``(\w+)/?``", docstring, re.M)
+
+
+def inward_upward_imports(module: str, source: str, order: list[str],
+                          is_package: bool = False) -> list[str]:
+    """Imports of ``module`` (in a room whose docstring orders its modules) of a module
+    listed below it. Modules the list does not name are not checked."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[2] not in order:
+        return []
+    me = parts[2]
+    problems = []
+    for imp in imports_of(module, source, is_package):
+        t = imp.target.split(".")
+        if t[:2] == parts[:2] and len(t) > 2 and t[2] in order and t[2] != me \
+                and order.index(t[2]) > order.index(me):
+            problems.append(f"{module}:{imp.line} imports {imp.target}, listed below "
+                            f"{me} in kvbridge/{parts[1]}/__init__.py's module map")
+    return problems
+
+
+def test_rooms_with_a_module_map_follow_it():
+    problems, checked = [], []
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        order = module_order(ast.get_docstring(ast.parse(init.read_text())) or "")
+        if not order:
+            continue
+        checked.append(init.parent.name)
+        problems += [p for path, m, src in _sources() if m.startswith(f"kvbridge.{init.parent.name}.")
+                     for p in inward_upward_imports(m, src, order, path.name == "__init__.py")]
+    assert {"handshake", "server"} <= set(checked), checked
+    assert not problems, "\n".join(problems)
+
+
+def test_an_import_against_a_module_map_is_caught():
+    order = module_order("Modules (each imports only the ones above it in this list):\n\n"
+                         "* ``base``  the interface\n* ``zmtp``  ZMTP\n* ``proxy/``  rooms\n")
+    assert order == ["base", "zmtp", "proxy"]
+    problems = inward_upward_imports("kvbridge.handshake.base",
+                                     "from kvbridge.handshake.proxy.app import x\n", order)
+    assert problems == ["kvbridge.handshake.base:1 imports kvbridge.handshake.proxy.app, listed "
+                        "below base in kvbridge/handshake/__init__.py's module map"]
+    assert inward_upward_imports("kvbridge.handshake.zmtp",
+                                 "from kvbridge.handshake.base import y\n", order) == []
