@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 
 from kvbridge.bench.common import Child, load_average, progress, pyplot
+from kvbridge.bench.report import goal_lines
+from kvbridge.bench.transfer import _descs, _interleaved
 
 KiB = 1024
 SUBNET = "198.18.20"  # a and b: .1 and .2 (inside the namespaces made here only)
@@ -43,13 +45,17 @@ def _ip(*args: str) -> str:
                           timeout=30).stdout
 
 
-def _setns(path: str) -> None:
+def _setns_fd(fd: int, what: str) -> None:
     """Move this thread (and the threads and processes it starts later) to a namespace."""
     libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), f"setns {what}")
+
+
+def _setns(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns {path}")
+        _setns_fd(fd, path)
     finally:
         os.close(fd)
 
@@ -119,57 +125,21 @@ def _sysctls() -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    from kvbridge._nixl import PROGRESS_DELAY_US, new_agent, nixl_api
-    from kvbridge.bench.transfer import _descs, _interleaved
+    from kvbridge._nixl import PROGRESS_DELAY_US
 
     blocks = [int(x) for x in str(args.blocks or BLOCKS).split(",")]
     sizes = [int(x) for x in str(args.block_sizes or BLOCK_SIZES).split(",")]
-    pool = max(blocks) * max(sizes)
     os.environ["UCX_TLS"] = "tcp,self"  # both processes: UCX over TCP across the veth
     load_before = load_average()
-    results: list[dict[str, Any]] = []
     home = os.open("/proc/self/ns/net", os.O_RDONLY)
     try:
         with _Hosts() as hosts:
-            progress(f"transfer --netns: hosts {hosts.ns['a']} ({hosts.addr['a']}) and "
-                     f"{hosts.ns['b']} ({hosts.addr['b']}), {pool / 2**20:.0f} MiB each")
-            _setns(hosts.path("b"))
             try:
-                peer = Child("transfer", "--pool-bytes", str(pool), "--bind",
-                             hosts.addr["b"])
-            finally:
-                _setns(hosts.path("a"))
-            with peer:
-                info = peer.info
-                sysctls = _sysctls()
-                api = nixl_api()
-                dst = torch.ones(pool, dtype=torch.uint8)  # touched before any timing
-                agent = new_agent(api, f"bench-netns-{info['pid']}")
-                reg = agent.register_memory([(dst.data_ptr(), dst.nbytes, 0, "")],
-                                            mem_type="DRAM")
-                remote = agent.add_remote_agent(base64.b64decode(info["agent_metadata"]))
-                if isinstance(remote, bytes):
-                    remote = remote.decode()
-                tcp = socket.create_connection((hosts.addr["b"], info["tcp_port"]))
-                tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                view = memoryview(dst.numpy())
-                try:
-                    results = _measure(args, agent, remote, info, dst, tcp, view, hosts,
-                                       blocks, sizes, _descs, _interleaved)
-                finally:
-                    tcp.close()
-                    agent.remove_remote_agent(remote)
-                    agent.deregister_memory(reg)
-                mtu = hosts.mtu()
-            namespaces, addresses = dict(hosts.ns), dict(hosts.addr)
+                results, seen = _in_hosts(args, hosts, blocks, sizes)
+            finally:  # back home before the namespaces go
+                _setns_fd(home, "/proc/self/ns/net")
     finally:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.setns(home, _CLONE_NEWNET)  # back home before the namespaces go
-        finally:
-            os.close(home)
+        os.close(home)
     big = [r for r in results if r["bytes"] >= 4 * 2**20]
     worst = min((r["nixl_over_tcp"] for r in big), default=float("nan"))
     goals = []
@@ -179,14 +149,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "worst point)", "value": round(worst, 3),
                       "reached": worst >= GOAL})
     return {
-        "config": {"mode": "netns", "blocks": blocks, "block_bytes": sizes, "pool_bytes": pool,
+        "config": {"mode": "netns", "blocks": blocks, "block_bytes": sizes,
                    "min_seconds": args.min_seconds, "min_iters": args.min_iters,
                    "timing": "median per point; NIXL READ (make_prepped_xfer .. DONE, busy "
                              "poll) and the TCP stream timed interleaved, one of each per round",
                    "tcp": "the peer sends the same bytes over one TCP connection (TCP_NODELAY, "
                           "default socket buffers) into this process's buffer (recv_into)",
-                   "namespaces": namespaces, "addresses": addresses,
-                   "veth_mtu": mtu, "sysctls_host_a": sysctls,
+                   **seen,
                    "ucx_env": {k: v for k, v in sorted(os.environ.items())
                                if k.startswith(("UCX_", "KVBRIDGE_NIXL"))},
                    "nixl_progress_delay_us": PROGRESS_DELAY_US, "quick": args.quick},
@@ -196,8 +165,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _measure(args, agent, remote, info, dst, tcp, view, hosts, blocks, sizes, _descs,
-             _interleaved) -> list[dict[str, Any]]:
+def _in_hosts(args: argparse.Namespace, hosts: _Hosts, blocks: list[int],
+              sizes: list[int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The peer started in b, this thread moved to a, the points measured. The agent made
+    here (and its progress thread, which lives in a) is gone when this returns."""
+    import torch
+
+    from kvbridge._nixl import new_agent, nixl_api
+
+    pool = max(blocks) * max(sizes)
+    progress(f"transfer --netns: hosts {hosts.ns['a']} ({hosts.addr['a']}) and "
+             f"{hosts.ns['b']} ({hosts.addr['b']}), {pool / 2**20:.0f} MiB each")
+    _setns(hosts.path("b"))
+    try:
+        peer = Child("transfer", "--pool-bytes", str(pool), "--bind", hosts.addr["b"])
+    finally:
+        _setns(hosts.path("a"))
+    with peer:
+        info = peer.info
+        seen = {"pool_bytes": pool, "namespaces": dict(hosts.ns),
+                "addresses": dict(hosts.addr), "veth_mtu": hosts.mtu(),
+                "sysctls_host_a": _sysctls()}
+        dst = torch.ones(pool, dtype=torch.uint8)  # touched before any timing
+        agent = new_agent(nixl_api(), f"bench-netns-{info['pid']}")
+        reg = agent.register_memory([(dst.data_ptr(), dst.nbytes, 0, "")], mem_type="DRAM")
+        remote = agent.add_remote_agent(base64.b64decode(info["agent_metadata"]))
+        if isinstance(remote, bytes):
+            remote = remote.decode()
+        tcp = socket.create_connection((hosts.addr["b"], info["tcp_port"]))
+        tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            results = _measure(args, agent, remote, info, dst, tcp, memoryview(dst.numpy()),
+                               hosts, blocks, sizes)
+        finally:
+            tcp.close()
+            agent.remove_remote_agent(remote)
+            agent.deregister_memory(reg)
+    return results, seen
+
+
+def _measure(args: argparse.Namespace, agent: Any, remote: str, info: dict[str, Any],
+             dst: Any, tcp: socket.socket, view: memoryview, hosts: _Hosts,
+             blocks: list[int], sizes: list[int]) -> list[dict[str, Any]]:
     results = []
     for size in sizes:
         count = max(blocks)
@@ -263,8 +272,6 @@ def summary(r: dict[str, Any]) -> str:
                      f"{x['bytes'] / 2**20:>8.2f} {x['nixl_contiguous']['gb_per_s']:>10.3f} "
                      f"{x['tcp_contiguous']['gb_per_s']:>9.3f} {x['nixl_over_tcp']:>9.2f} "
                      f"{x['veth_rx_bytes_per_read'] / 2**20:>17.2f}")
-    from kvbridge.bench.report import goal_lines
-
     return "\n".join(lines + goal_lines(r))
 
 
