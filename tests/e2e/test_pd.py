@@ -45,13 +45,15 @@ def test_pd_matches_single_engine(cluster, reference, certs, method, prefill_tp,
     p, d = cluster[f"p{prefill_tp}-{method}"], cluster[f"d{decode_tp}"]
     start = {e.name: e.metric("kvbridge_blocks_free") for e in (p, d)}
     loads = d.metric("kvbridge_kv_loads_total")
+    # the module's cluster is shared: other modules' tests fail loads on purpose
+    failed = d.metric('kvbridge_kv_loads_total{outcome="failed"}')
     with _proxy(cluster, certs, p.name, d.name) as proxy:
         for i, prompt in enumerate(PROMPTS):
             got = _complete(proxy.url, prompt, stream=bool(i % 2))
             assert got == reference[prompt], (prompt, got)
     # every request's KV came over NIXL (none recomputed)
     assert d.metric("kvbridge_kv_loads_total") - loads == len(PROMPTS)
-    assert d.metric('kvbridge_kv_loads_total{outcome="failed"}') == 0
+    assert d.metric('kvbridge_kv_loads_total{outcome="failed"}') == failed
     _wait_blocks_back([p, d], start)
 
 
