@@ -17,7 +17,6 @@ compatible decode, and otherwise the stream ends with an error event.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,9 +25,11 @@ import httpx
 from starlette.responses import StreamingResponse
 
 from kvbridge.errors import error_body
+from kvbridge.server.proxy.engine_client import dumps
 from kvbridge.server.proxy.rewrite import CHAT
 from kvbridge.server.routing import Backend
 from kvbridge.server.sse import sse
+from kvbridge.server.upstream import send_retrying_once
 
 __all__ = ["FirstToken", "first_token"]
 
@@ -164,10 +165,10 @@ class FirstTokenStream:
         release = flow.router.acquire(d)
         try:
             req = client.build_request("POST", d.url + self.endpoint,
-                                       content=json.dumps(self.body).encode(),
+                                       content=dumps(self.body),
                                        headers=self.headers)
             try:
-                resp = await client.send(req, stream=True)
+                resp = await send_retrying_once(client, req, stream=True)
             except httpx.HTTPError as exc:
                 log.warning("request %s: decode %s failed: %r", self.request_id, d.url, exc)
                 flow.metrics.upstream_errors.labels("decode").inc()
