@@ -165,11 +165,14 @@ class VllmServer:
                                        f"{timeout:g}s; log tail:\n{self.log_tail()}")
                 time.sleep(1.0)  # polling a process we do not control (no event to wait on)
 
-    def metrics(self) -> dict[str, float]:
-        """The server's Prometheus samples, summed over labels: ``{name: value}``."""
+    def metrics(self, timeout: float = 60.0) -> dict[str, float]:
+        """The server's Prometheus samples, summed over labels: ``{name: value}``.
+
+        ``timeout``: vLLM's API process answers late while another vLLM server starts on
+        the same cores (10 s was missed on 2 cores during a prefill's restart)."""
         out: dict[str, float] = {}
-        for sample, value in parse_samples(httpx.get(f"{self.url}/metrics", timeout=10.0).text
-                                           ).items():
+        for sample, value in parse_samples(
+                httpx.get(f"{self.url}/metrics", timeout=timeout).text).items():
             name = sample.partition("{")[0]
             out[name] = out.get(name, 0.0) + value
         return out
