@@ -1,16 +1,22 @@
 """The plug-in in real vLLM over the http method: mutual TLS and token, P/D with vLLM's
-protocol, a refused token, a restarted prefill. Three vLLM servers for the module."""
+protocol, a refused token, kvbridge's proxy in front of the pair found in etcd, a restarted
+prefill. Three vLLM servers for the module: a prefill and a decode registered in a real etcd
+(the same record as ``kvbridge serve --registry``), and a decode with the wrong token, stopped
+after its test (an idle vLLM CPU worker polls its queue and keeps a core busy)."""
 
 from __future__ import annotations
 
 import os
 import ssl
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from kvbridge.launch import KVBridgeProcess, free_port, read_metric
+from kvbridge.testing.etcd import EtcdProcess
 from kvbridge.vllm.launch import VllmServer, decode, pd_text, prefill
 from tests.helpers import wait_until
 from tests.vllm.conftest import (
@@ -41,19 +47,39 @@ def _https(certs: Path, name: str, token_file: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def servers(model: Path, certs: Path, tmp_path_factory: pytest.TempPathFactory):
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
+    with EtcdProcess(log_dir=tmp_path_factory.mktemp("etcd")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("vllm-tokens")
+    return {"good": _token_file(d, "token", "side-channel-secret"),
+            "bad": _token_file(d, "wrong-token", "not-the-secret")}
+
+
+@pytest.fixture(scope="module")
+def servers(model: Path, certs: Path, etcd: EtcdProcess, tokens: dict[str, str],
+            tmp_path_factory: pytest.TempPathFactory):
     d = tmp_path_factory.mktemp("vllm-http")
-    good = _token_file(d, "token", "side-channel-secret")
-    bad = _token_file(d, "wrong-token", "not-the-secret")
-    p = VllmServer.start(model, name="prefill", core=0, log_dir=d,
-                         extra_config=_https(certs, "prefill", good))
+
+    def registered(role: str, port: int) -> dict[str, str]:
+        return {"registry": etcd.url, "role": role, "api_url": f"http://127.0.0.1:{port}"}
+
+    pp, dp = free_port(), free_port()
+    p = VllmServer.start(model, name="prefill", core=0, log_dir=d, port=pp,
+                         extra_config={**_https(certs, "prefill", tokens["good"]),
+                                       **registered("prefill", pp)},
+                         extra_args=NO_PREFIX_CACHE)
     # side_channel_port 0: the port bound is the one kv_transfer_params advertise.
-    dec = VllmServer.start(model, name="decode", core=1, log_dir=d,
-                           extra_config={**_https(certs, "decode", good),
-                                         "side_channel_port": 0},
+    dec = VllmServer.start(model, name="decode", core=1, log_dir=d, port=dp,
+                           extra_config={**_https(certs, "decode", tokens["good"]),
+                                         "side_channel_port": 0, **registered("decode", dp)},
                            extra_args=NO_PREFIX_CACHE)
+    # Not registered: the proxy below must see one prefill and one decode.
     wrong = VllmServer.start(model, name="decode-wrong-token", core=1, log_dir=d,
-                             extra_config=_https(certs, "decode", bad),
+                             extra_config=_https(certs, "decode", tokens["bad"]),
                              extra_args=NO_PREFIX_CACHE)
     with running(p, dec, wrong):
         yield p, dec, wrong
@@ -64,6 +90,27 @@ def _side_channel(certs: Path, *, cert: bool = True) -> httpx.Client:
     if cert:
         ctx.load_cert_chain(str(certs / "decode.pem"), str(certs / "decode.key"))
     return httpx.Client(verify=ctx, timeout=10.0)
+
+
+def test_wrong_token_is_refused_fast_and_the_prefill_keeps_serving(servers, certs):
+    p, d, wrong = servers
+    params = prefill(p.url, PROMPT, REQUEST_TIMEOUT)
+    start = time.monotonic()
+    try:
+        r = decode(wrong.url, PROMPT, params, max_tokens=MAX_TOKENS, timeout=REQUEST_TIMEOUT)
+        took = time.monotonic() - start
+        log = wrong.log_text()
+    finally:
+        # Done with it: an idle vLLM CPU worker polls its queue and would keep a core busy
+        # for the rest of the module (the restart below).
+        wrong.stop()
+    # vLLM's kv_load_failure_policy "fail": the request ends in an error, not a hang.
+    failed = r.status_code != 200 or r.json()["choices"][0].get("finish_reason") == "error"
+    assert failed, r.text
+    assert took < 120, took  # a busy machine; the refusal itself is immediate (401)
+    assert "refused our credentials" in log
+    # The prefill still serves.
+    assert pd_text(p.url, d.url, PROMPT, max_tokens=MAX_TOKENS, timeout=REQUEST_TIMEOUT)
 
 
 def test_pd_over_mutual_tls_and_token_reads_the_kv_and_answers_the_same(servers, certs):
@@ -110,27 +157,81 @@ def test_decode_side_channel_port_zero_advertises_the_port_bound(servers, certs)
         assert c.get(f"https://127.0.0.1:{port}/readyz").status_code == 200
 
 
-def test_wrong_token_is_refused_fast_and_the_prefill_keeps_serving(servers, certs):
-    p, d, wrong = servers
-    params = prefill(p.url, PROMPT, REQUEST_TIMEOUT)
-    start = time.monotonic()
+# kvbridge's proxy in front of the pair, both found in etcd: paired by vLLM's own
+# compatibility hash, prewarmed (vLLM has no /v1/kv/prewarm: a one-token P/D warm-up request)
+# and serving a chat request through prefill -> NIXL READ -> decode.
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+BYTES_READ = "vllm:nixl_bytes_transferred_sum"
+
+
+@pytest.fixture(scope="module")
+def read_before_proxy(servers) -> float:
+    """The decode's NIXL bytes before the proxy exists (and prewarms the pair)."""
+    return nixl_bytes(servers[1])
+
+
+@pytest.fixture(scope="module")
+def proxy(servers, read_before_proxy: float, etcd: EtcdProcess, tokens: dict[str, str],
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    p = KVBridgeProcess("proxy", tmp_path_factory.mktemp("proxy"), "proxy", "--port", str(port),
+                        "--registry", etcd.url, "--kv-token-file", tokens["good"],
+                        "--admin-routes", "open", log_level="info")
+    url = f"http://127.0.0.1:{port}"
     try:
-        r = decode(wrong.url, PROMPT, params, max_tokens=MAX_TOKENS, timeout=REQUEST_TIMEOUT)
-        took = time.monotonic() - start
-        log = wrong.log_text()
+        p.wait_healthy(url + "/health", time.monotonic() + 120)
+        yield url
     finally:
-        # Done with it: an idle vLLM CPU worker polls its queue and would keep a core busy
-        # for the rest of the module (the restart below).
-        wrong.stop()
-    # vLLM's kv_load_failure_policy "fail": the request ends in an error, not a hang.
-    failed = r.status_code != 200 or r.json()["choices"][0].get("finish_reason") == "error"
-    assert failed, r.text
-    assert took < 120, took  # a busy machine; the refusal itself is immediate (401)
-    assert "refused our credentials" in log
-    # The prefill still serves.
-    assert pd_text(p.url, d.url, PROMPT, max_tokens=MAX_TOKENS, timeout=REQUEST_TIMEOUT)
+        p.stop()
 
 
+def _get(url: str) -> dict:
+    with httpx.Client(trust_env=False) as c:
+        return c.get(url, timeout=10).json()
+
+
+def test_the_proxy_discovers_both_vllm_instances(proxy, servers) -> None:
+    p, d, _ = servers
+
+    def both() -> dict | None:
+        fleet = _get(proxy + "/v1/fleet")
+        return fleet if fleet["prefill"] and fleet["decode"] else None
+
+    fleet = wait_until(both, 60, "a prefill and a decode in the proxy's view")
+    (prefill_row,), (decode_row,) = fleet["prefill"], fleet["decode"]
+    assert (prefill_row["url"], decode_row["url"]) == (p.url, d.url)
+    assert prefill_row["source"] == decode_row["source"] == "registry"
+    # Paired because the hashes match: vLLM's own compatibility hash, published.
+    assert prefill_row["compat_hash"] == decode_row["compat_hash"] is not None
+
+
+def test_prewarm_handshakes_the_pair_with_a_warm_up_request(proxy, servers,
+                                                           read_before_proxy) -> None:
+    _, d, _ = servers
+    status = wait_until(lambda: (s := _get(proxy + "/v1/kv/prewarm"))["pairs"] and s, 300,
+                        "a prewarmed pair")
+    assert [p["outcome"] for p in status["pairs"]] == ["ok"], status
+    with httpx.Client(trust_env=False) as c:  # the warm-up's KV was read over NIXL
+        assert read_metric(c, d.url, BYTES_READ) > read_before_proxy
+
+
+def test_chat_through_the_proxy_answers_like_vllm_alone(proxy, servers) -> None:
+    _, d, _ = servers
+    body = {"model": "model", "messages": QUESTION, "max_tokens": 24, "temperature": 0}
+    with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT) as c:
+        before = read_metric(c, d.url, BYTES_READ)
+        via_proxy = c.post(proxy + "/v1/chat/completions", json=body)
+        after = read_metric(c, d.url, BYTES_READ)
+        alone = c.post(d.url + "/v1/chat/completions", json=body)
+    assert via_proxy.status_code == 200, via_proxy.text
+    text = via_proxy.json()["choices"][0]["message"]["content"]
+    assert text == alone.json()["choices"][0]["message"]["content"]
+    assert "Paris" in text
+    assert after > before  # this request's KV was read over NIXL, not recomputed
+
+
+# Last in the module: the prefill is a new process after it.
 def test_restarted_prefill_on_the_same_ports_is_handshaken_again_without_decode_restart(
         servers, certs):
     p, d, _ = servers

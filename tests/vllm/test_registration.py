@@ -1,6 +1,6 @@
 """The plug-in's registration settings (kv_connector_extra_config) and its record in a real
 etcd: what ``kvbridge proxy --registry`` reads. The full path with vLLM processes is in
-tests/e2e/test_vllm_fleet.py."""
+tests/vllm/test_plugin_http.py (the proxy in front of a registered pair)."""
 
 from __future__ import annotations
 
