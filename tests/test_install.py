@@ -185,3 +185,11 @@ def test_the_vllm_plugin_loads_without_extras():
                "print(KVBridgeConnector.__name__)\n", refused, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == "KVBridgeConnector"
+
+
+def test_the_library_names_the_extra_of_a_missing_part():
+    out = _run(_NOT_INSTALLED + "import kvbridge\nkvbridge.SideChannelConfig\nkvbridge.NixlAgent\n",
+               _refused())
+    assert out.stderr.strip().splitlines()[-1] == (
+        "ModuleNotFoundError: kvbridge.NixlAgent needs the engine extra: "
+        "pip install 'kvbridge[engine]'"), out.stderr[-3000:]
