@@ -61,7 +61,15 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kvbridge' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as e:  # an optional part: name the extra that installs it
+        from kvbridge.extras import missing_extra_message
+
+        line = missing_extra_message(e, f"kvbridge.{name}")
+        if line is None:
+            raise
+        raise ModuleNotFoundError(line, name=e.name) from e
     globals()[name] = value
     return value
 

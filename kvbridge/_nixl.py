@@ -12,11 +12,15 @@ from kvbridge.settings import SETTINGS
 
 
 def nixl_api():
-    # The wheel is published as nixl-cu12 (module nixl_cu12); plain `nixl` on other builds.
+    # `nixl` (the meta package of the engine extra, and what vLLM imports) loads the backend
+    # wheel matching the CUDA in use (nixl_cu12, nixl_cu13; any one without CUDA); a lone
+    # backend wheel (nixl-cu12) is taken too.
     try:
-        from nixl_cu12 import _api
-    except ImportError:  # pragma: no cover - depends on the installed wheel
         from nixl import _api
+    except ModuleNotFoundError as e:  # pragma: no cover - depends on the installed wheels
+        if e.name != "nixl":
+            raise
+        from nixl_cu12 import _api
     # NIXL logs every agent creation at INFO to stdout, which is our tools' output channel.
     nixl_log = logging.getLogger("nixl")
     for h in nixl_log.handlers:

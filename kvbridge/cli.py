@@ -23,6 +23,7 @@ from kvbridge.config import (
     read_token_file,
 )
 from kvbridge.errors import ConfigError, NodeError, WorkerError
+from kvbridge.extras import missing_extra_message
 from kvbridge.net import bind_socket, check_port_free
 from kvbridge.settings import SETTINGS, SIDE_CHANNEL_PORT_SETTING, ConnectionBudget, flag_label
 from kvbridge.settings.flags import add_flags, fill
@@ -186,11 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _side_channel(flags: Mapping[str, object], budget: ConnectionBudget | None = None
                   ) -> SideChannelConfig:
-    try:
-        return SideChannelConfig.load(flags, os.environ, flag_label, budget)
-    except ImportError as e:  # the registry module
-        raise ConfigError(f"--registry needs the fleet extra (pip install 'kvbridge[fleet]'): "
-                          f"{e}") from None
+    # A registry without the fleet extra: a ConfigError naming it (SideChannelConfig).
+    return SideChannelConfig.load(flags, os.environ, flag_label, budget)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -359,7 +357,25 @@ def _settings(args: argparse.Namespace) -> int:
     return 0
 
 
+COMMANDS = ("serve", "proxy", "demo", "model", "bench", "settings")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The sub-command, for a missing extra met while parsing (a benchmark's own flags).
+    command = next((a for a in argv if a in COMMANDS), None)
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as e:
+        # An optional part (torch, etcd3gw, ...) is not installed: name its extra.
+        line = missing_extra_message(e, f"kvbridge {command or ''}".strip(), command)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2
+
+
+def _main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
+from kvbridge.extras import missing_extra_message
 from kvbridge.settings import (
     HANDSHAKE_METHODS,
     SETTINGS,
@@ -126,7 +127,13 @@ class SideChannelConfig:
 
     @property
     def registry_endpoint(self):  # -> EtcdEndpoint; the registry module needs the fleet extra
-        from kvbridge.registry.etcd import parse_registry_url
+        try:
+            from kvbridge.registry.etcd import parse_registry_url
+        except ModuleNotFoundError as e:  # one line naming the extra, in vLLM as in the CLI
+            line = missing_extra_message(e, "the registry")
+            if line is None:
+                raise
+            raise ConfigError(line) from None
 
         return parse_registry_url(self.registry, ca_certs=self.registry_ca_certs,
                                   certfile=self.registry_certfile, keyfile=self.registry_keyfile)

@@ -16,6 +16,44 @@ from kvbridge.testing.certs import write_certs
 ROOT = Path(__file__).resolve().parent.parent
 KVPEER = str(ROOT / "tests" / "kvpeer.py")
 
+# The tests `make test-fast` (pytest -m "not slow") leaves out: real vLLM, network
+# namespaces, the SmolLM2 model, and end-to-end runs of a minute or more (processes of their
+# own that are killed, restarted, flooded, soaked, or wait out leases). A folder (ending in
+# "/"), a file, or one test of a file ("file::name", every parametrization). A test may also
+# carry @pytest.mark.slow itself.
+SLOW = (
+    "tests/vllm/",  # real vLLM servers
+    "tests/e2e/test_vllm_fleet.py",
+    "tests/netns/",
+    "tests/e2e/test_demo.py",  # the SmolLM2 demos
+    "tests/e2e/test_real_model.py",
+    "tests/test_real_model.py",  # transformers against SmolLM2
+    "tests/e2e/test_fleet.py",  # an etcd fleet, leases running out
+    "tests/e2e/test_faults.py",  # prefills killed and restarted, a drain
+    "tests/e2e/test_hostile.py",  # servers of its own, flooded
+    "tests/e2e/test_soak.py",
+    "tests/e2e/test_kv_lifecycle.py::test_a_read_slower_than_the_lease_is_given_up_and_recomputed",
+    "tests/e2e/test_kv_lifecycle.py::test_a_prefill_killed_mid_read",
+    "tests/test_bench.py::test_serve",  # whole benchmarks, several servers each
+    "tests/test_bench.py::test_fleet",
+    "tests/test_bench.py::test_hostile",
+    "tests/test_bench.py::test_transfer_netns",
+)
+
+
+def is_slow(path: str, name: str) -> bool:
+    """``path`` relative to the repository, ``name`` the test function's."""
+    return any(path.startswith(s) if s.endswith("/") else s in (path, f"{path}::{name}")
+               for s in SLOW)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.path.resolve()
+        if path.is_relative_to(ROOT) and is_slow(path.relative_to(ROOT).as_posix(),
+                                                 getattr(item, "originalname", item.name)):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -12,9 +12,21 @@ for tests is ``kvbridge.testing.etcd``.
 
 from __future__ import annotations
 
-from kvbridge.registry.etcd import EtcdEndpoint, EtcdRegistry, parse_registry_url
-from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord, instance_key
-from kvbridge.registry.registrar import Registrar
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvbridge.registry.etcd import EtcdEndpoint, EtcdRegistry, parse_registry_url
+    from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord, instance_key
+    from kvbridge.registry.registrar import Registrar
+
+# Each name loads its module on first use: ``record`` alone (the plug-in's registration
+# record) must not import ``etcd`` and so etcd3gw, the fleet extra.
+_MODULES = {
+    "EtcdEndpoint": "etcd", "EtcdRegistry": "etcd", "parse_registry_url": "etcd",
+    "INSTANCES_PREFIX": "record", "InstanceRecord": "record", "instance_key": "record",
+    "Registrar": "registrar",
+}
 
 __all__ = [
     "INSTANCES_PREFIX",
@@ -25,3 +37,9 @@ __all__ = [
     "instance_key",
     "parse_registry_url",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
