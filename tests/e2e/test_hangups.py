@@ -6,10 +6,14 @@ not leave the prefill's blocks pinned for the hold's lease: the prefill's free-b
 gauge is back at full within 2 s (the issue's bound). The points are made exact by
 stopping a process (SIGSTOP) where the client must leave, and are observed through the
 proxy's ``/v1/fleet`` and the engines' gauges, never guessed with sleeps.
+
+And client request ids are labels: two clients naming the same ``x-request-id`` at
+once are both served.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import json
 import os
@@ -178,3 +182,22 @@ def test_a_client_that_leaves_leaves_no_hold(pd, point, endpoint, how):
         return
     _back_at_full(pd, point)
 
+
+def test_two_clients_with_one_request_id_are_both_served(pd):
+    """The same plain ``x-request-id`` from two clients at once: each request gets an id of
+    the engines' own, both are answered, and each answer is labelled with the client's id."""
+    proxy = pd["proxy"]
+    _quiet(pd)
+    body = {**_body("completions"), "stream": False}
+    with cf.ThreadPoolExecutor(2) as pool:
+        with _stopped(pd["p"]):
+            # both wait at the stopped prefill: in flight together when it resumes
+            futures = [pool.submit(httpx.post, proxy.url + "/v1/completions", json=body,
+                                   headers={"x-request-id": "same-id"}, timeout=60)
+                       for _ in range(2)]
+            wait_until(lambda: proxy.outstanding("prefill") == 2, 30, "both at the prefill")
+        answers = [f.result() for f in futures]
+    for r in answers:
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "same-id"
+    _quiet(pd)

@@ -103,8 +103,8 @@ class Flow:
                 break
             if attempt:
                 self.metrics.failovers.labels("prefill" if failed_p else "decode").inc()
-                # The engines may still hold the first attempt under the client's id (its
-                # release is on its way): the retry goes under an id of its own.
+                # The engines' own ids are unique per request: this label only tells
+                # the retry apart in their logs.
                 headers = {**headers, "x-request-id": f"{request_id}-retry"}
             p, d = pair
             hop = await self.prefill_hop(p, body, endpoint, headers, request_id)
