@@ -2,7 +2,8 @@
 real ``kvbridge proxy`` (the first token from the prefill, the default), on loopback.
 
 A client that hangs up (a reset, or a plain close) at any point of a streamed answer must
-not leave the prefill's blocks pinned for the hold's lease: the prefill's free-block
+not leave the prefill's blocks pinned for the hold's lease (engines named to the proxy,
+or an etcd fleet): the prefill's free-block
 gauge is back at full within 2 s (the issue's bound). The points are made exact by
 stopping a process (SIGSTOP) where the client must leave, and are observed through the
 proxy's ``/v1/fleet`` and the engines' gauges, never guessed with sleeps.
@@ -28,6 +29,7 @@ import httpx
 import pytest
 
 from kvbridge.launch import KVBridgeProcess, free_port
+from kvbridge.testing.etcd import EtcdProcess
 from tests.conftest import ROOT
 from tests.e2e.conftest import START_TIMEOUT, Serve
 from tests.helpers import wait_until
@@ -41,34 +43,45 @@ POINTS = ["before the prefill answers", "after the prefill answered", "after the
 
 
 class Proxy(KVBridgeProcess):
-    def __init__(self, log_dir: Path, prefill: str, decode: str, token_file: Path):
+    def __init__(self, name: str, log_dir: Path, engines: list[str], token_file: Path):
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
-        super().__init__("hangups-proxy", log_dir, "proxy", "--prefill", prefill,
-                         "--decode", decode, "--port", str(self.port),
+        super().__init__(name, log_dir, "proxy", *engines, "--port", str(self.port),
                          "--kv-token-file", str(token_file), "--admin-routes", "open",
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
 
+    def fleet(self) -> dict:
+        return httpx.get(self.url + "/v1/fleet", timeout=10).json()
+
     def outstanding(self, role: str) -> int:
-        fleet = httpx.get(self.url + "/v1/fleet", timeout=10).json()
-        return sum(b["outstanding"] for b in fleet[role])
+        return sum(b["outstanding"] for b in self.fleet()[role])
 
 
-@pytest.fixture(scope="module")
-def pd(token_file, serve_log_dir) -> Iterator[dict]:
+@pytest.fixture(scope="module", params=["static", "etcd"])
+def pd(request, token_file, serve_log_dir) -> Iterator[dict]:
+    """A prefill, a decode and a proxy: named to the proxy (static), or registered in etcd
+    and found by the proxy's watch (an etcd fleet)."""
+    fleet = request.param
+    etcd = EtcdProcess(log_dir=serve_log_dir, name="hangups-etcd").start() \
+        if fleet == "etcd" else None
+    registry = () if etcd is None else ("--registry", etcd.url)
     side = ("--side-channel-port", "0", "--side-channel-token-file", str(token_file),
-            "--handshake", "http")
-    procs = {"p": Serve("hangups-p", serve_log_dir, "--role", "prefill", "--kv-lease-seconds",
-                        str(LEASE), *side),
-             "d": Serve("hangups-d", serve_log_dir, "--role", "decode", *side)}
+            "--handshake", "http", *registry)
+    procs = {"p": Serve(f"hangups-{fleet}-p", serve_log_dir, "--role", "prefill",
+                        "--kv-lease-seconds", str(LEASE), *side),
+             "d": Serve(f"hangups-{fleet}-d", serve_log_dir, "--role", "decode", *side)}
     proxy = None
     try:
         deadline = time.monotonic() + START_TIMEOUT
         for p in procs.values():
             p.wait_ready(deadline)
         full = procs["p"].metric("kvbridge_blocks_free")
-        proxy = Proxy(serve_log_dir, procs["p"].url, procs["d"].url, token_file)
+        engines = (["--prefill", procs["p"].url, "--decode", procs["d"].url] if etcd is None
+                   else ["--registry", etcd.url])
+        proxy = Proxy(f"hangups-{fleet}-proxy", serve_log_dir, engines, token_file)
         proxy.wait_healthy(proxy.url + "/health", deadline)
+        wait_until(lambda: [len(proxy.fleet()[r]) for r in ("prefill", "decode")] == [1, 1],
+                   60, "the proxy's view of the fleet")
         # one answer end to end: the decode has its handshake with the prefill
         r = httpx.post(proxy.url + "/v1/completions", timeout=60, json=_body("completions"))
         assert r.status_code == 200, r.text
@@ -80,6 +93,8 @@ def pd(token_file, serve_log_dir) -> Iterator[dict]:
             proxy.stop()
         for p in procs.values():
             p.stop()
+        if etcd is not None:
+            etcd.close()
 
 
 def _body(endpoint: str) -> dict:
