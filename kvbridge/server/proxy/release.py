@@ -75,9 +75,8 @@ class Hold:
 
     def pass_on(self) -> Hold:
         """The hold for a new owner, who must close it; this one then releases nothing."""
-        new = Hold(self.releaser, self.prefill, self.kv_params if self._open else None,
-                   self.request_id)
-        self._open = False
+        new = Hold(self.releaser, self.prefill, self.kv_params, self.request_id)
+        new._open, self._open = self._open, False
         return new
 
     def close(self) -> None:
