@@ -5,7 +5,7 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 
 Beyond OpenAI's fields, requests may carry ``kv_transfer_params`` (a dict,
 passed to the KV connector), ``ignore_eos`` and an ``X-Request-Id`` header (the
-engine's request id). A response carries the connector's ``kv_transfer_params``
+request's label: the engine's own id is always unique, ``kvbridge.requestid``). A response carries the connector's ``kv_transfer_params``
 as a top-level field when it returned some. Errors use OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 4xx for bad input, 502
 when the engine failed the request (e.g. remote KV could not be loaded under the
@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
+import msgspec
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -47,7 +48,7 @@ from kvbridge.errors import (
 )
 from kvbridge.guard import ConnectionBudget, GuardedServer, guarded_config
 from kvbridge.limits import read_json_body
-from kvbridge.requestid import accept_request_id
+from kvbridge.requestid import engine_request_ids
 from kvbridge.server.responses import error_response
 from kvbridge.server.schemas import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -181,14 +182,21 @@ class _API:
             raise RequestError(400, str(e), e.param) from None
         except ValueError as e:
             raise RequestError(400, str(e), prompt_param) from None
-        request_id, refused_id = accept_request_id(request.headers.get("x-request-id"))
-        if refused_id is not None:
-            log.info("request %s: the client's x-request-id %s is not used", request_id,
-                     refused_id)
-        outputs = self.engine.generate(prompt_ids, sampling, request_id, req.kv_transfer_params)
-        fmt = Formatter(self.engine.tokenizer, self.model_name, request_id, chat, len(prompt_ids),
-                        req.kv_transfer_params.sent_token_ids if req.kv_transfer_params else None)
-        headers = {"x-request-id": request_id}
+        ids = engine_request_ids(request.headers.get("x-request-id"))
+        if ids.refused is not None:
+            log.info("request %s: the client's x-request-id %s is not used", ids.own,
+                     ids.refused)
+        params = req.kv_transfer_params
+        if params is not None and params.loads_remote_kv and params.remote_request_id is None:
+            # vLLM's protocol without remote_request_id: the prefill's request went by the
+            # id the proxy gave both hops, this request's label (not the engine's own id).
+            params = msgspec.structs.replace(params, remote_request_id=ids.label)
+        outputs = self.engine.generate(prompt_ids, sampling, ids.own, params)
+        # Labelled with the client's id: a proxy gives both hops one, so the prefill's first
+        # chunk and the decode's continuation carry one answer id.
+        fmt = Formatter(self.engine.tokenizer, self.model_name, ids.label, chat, len(prompt_ids),
+                        params.sent_token_ids if params else None)
+        headers = {"x-request-id": ids.label}
         try:
             first = await anext(outputs)
         except InvalidKVTransferParams as e:

@@ -12,6 +12,10 @@ sampled (``remote_output_token_ids``: kvbridge's engine; a stock vLLM prefill do
 its requests take the two-hop path). Once the first token is sent the response is
 committed: a decode that fails before its first byte is replaced once by another
 compatible decode, and otherwise the stream ends with an error event.
+
+The streamed answer owns the prefill's hold (``release.HoldingResponse``): unless a decode
+started answering (it has read the blocks), the hold is released when the answer ends, on
+every way it can end: a client gone before or after the first chunk, or during a decode hop.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from starlette.responses import StreamingResponse
 
 from kvbridge.errors import error_body
 from kvbridge.server.proxy.engine_client import dumps
+from kvbridge.server.proxy.release import Hold, HoldingResponse
 from kvbridge.server.proxy.rewrite import CHAT
 from kvbridge.server.routing import Backend
 from kvbridge.server.sse import sse
@@ -101,19 +105,19 @@ def _chunk(ft: FirstToken, chat: bool, text: str | None, finish: str | None
 class FirstTokenStream:
     """The streamed answer: the prefill's token now, then the decode's continuation."""
 
-    def __init__(self, flow: Any, p: Backend, d: Backend, ft: FirstToken, kv_params: dict,
+    def __init__(self, flow: Any, p: Backend, d: Backend, ft: FirstToken, hold: Hold,
                  decode_body: dict[str, Any], endpoint: str, headers: dict[str, str],
                  request_id: str) -> None:
         self.flow, self.p, self.d, self.ft = flow, p, d, ft
-        self.kv_params = kv_params
+        self.hold = hold
         self.body = {**decode_body,
-                     "kv_transfer_params": {**kv_params, "sent_token_ids": ft.token_ids}}
+                     "kv_transfer_params": {**hold.kv_params, "sent_token_ids": ft.token_ids}}
         self.endpoint, self.headers, self.request_id = endpoint, headers, request_id
         self.chat = endpoint == CHAT
 
-    def response(self) -> StreamingResponse:
-        return StreamingResponse(self._stream(), media_type="text/event-stream",
-                                 headers={"x-request-id": self.request_id})
+    def response(self) -> HoldingResponse:
+        """The answer, which owns the hold from now on."""
+        return HoldingResponse(self._stream(), self.hold, {"x-request-id": self.request_id})
 
     async def _stream(self) -> AsyncIterator[bytes]:
         ft = self.ft
@@ -121,7 +125,7 @@ class FirstTokenStream:
         done = ft.finish_reason == "stop" or _wanted(self.body, self.endpoint) == 1
         yield sse(_chunk(ft, self.chat, ft.text, ft.finish_reason if done else None)).encode()
         if done:  # nothing left for a decode: the prefill's answer is the whole answer
-            self.flow.releaser.later(self.p.url, self.kv_params, self.request_id)
+            self.hold.close()
             options = self.body.get("stream_options")
             if isinstance(options, dict) and options.get("include_usage") and ft.usage:
                 usage = _chunk(ft, self.chat, None, None)
@@ -148,7 +152,7 @@ class FirstTokenStream:
                 return
             failed.add(d.url)
             d = self._another_decode(failed)
-        self.flow.releaser.later(self.p.url, self.kv_params, self.request_id)
+        self.hold.close()  # no decode will read it
         yield sse(error_body("no decode instance could continue the answer after its first "
                              "token", "upstream_error", None, "502")).encode()
         yield b"data: [DONE]\n\n"
@@ -187,12 +191,13 @@ class FirstTokenStream:
                         yield None  # another decode may continue
                         return
                     # The request's own fault: the client gets the decode's error, in band.
-                    flow.releaser.later(self.p.url, self.kv_params, self.request_id)
+                    self.hold.close()
                     yield b"data: " + detail.strip() + b"\n\n" + b"data: [DONE]\n\n"
                     return
                 first = True
                 async for chunk in resp.aiter_bytes():
-                    if first:
+                    if first:  # it answers, so it has read the prefill's blocks
+                        self.hold.handed_over()
                         flow.router.succeeded(d)
                         first = False
                     yield chunk

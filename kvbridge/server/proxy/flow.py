@@ -26,7 +26,7 @@ from kvbridge.server.proxy.engine_client import (
 from kvbridge.server.proxy.first_token import FirstTokenStream, first_token
 from kvbridge.server.proxy.metrics import ProxyMetrics
 from kvbridge.server.proxy.relay import UpstreamResponse
-from kvbridge.server.proxy.release import Releaser
+from kvbridge.server.proxy.release import Hold, Releaser
 from kvbridge.server.proxy.rewrite import CHAT, engine_headers, prefill_body
 from kvbridge.server.routing import Backend, Router
 from kvbridge.server.schemas import check_request_body
@@ -103,8 +103,8 @@ class Flow:
                 break
             if attempt:
                 self.metrics.failovers.labels("prefill" if failed_p else "decode").inc()
-                # The engines may still hold the first attempt under the client's id (its
-                # release is on its way): the retry goes under an id of its own.
+                # The engines' own ids are unique per request: this label only tells
+                # the retry apart in their logs.
                 headers = {**headers, "x-request-id": f"{request_id}-retry"}
             p, d = pair
             hop = await self.prefill_hop(p, body, endpoint, headers, request_id)
@@ -115,12 +115,19 @@ class Flow:
                 failed_p.add(p.url)
                 continue
             kv_params, decode_body, pdata = hop
-            if self.first_token_from == "prefill" and (
-                    ft := first_token(body, pdata, kv_params, endpoint)) is not None:
-                return FirstTokenStream(self, p, d, ft, kv_params, decode_body, endpoint,
-                                        headers, request_id).response()
-            answer = await self.decode_hop(p, d, kv_params, decode_body, endpoint, headers,
-                                           request_id, last=attempt == 1)
+            # The prefill now holds the prompt's blocks: released on every way out of here
+            # (a failed decode hop, an exception, a cancellation) unless a decode has them
+            # or the streamed answer took the hold over.
+            hold = Hold(self.releaser, p.url, kv_params, request_id)
+            try:
+                if self.first_token_from == "prefill" and (
+                        ft := first_token(body, pdata, kv_params, endpoint)) is not None:
+                    return FirstTokenStream(self, p, d, ft, hold.pass_on(), decode_body,
+                                            endpoint, headers, request_id).response()
+                answer = await self.decode_hop(p, d, hold, decode_body, endpoint, headers,
+                                               request_id, last=attempt == 1)
+            finally:
+                hold.close()
             if not isinstance(answer, Retry):
                 return answer
             error = answer.error
@@ -197,12 +204,14 @@ class Flow:
         return kv_params, decode_body, pdata
 
     async def decode_hop(
-        self, p: Backend, d: Backend, kv_params: Any, decode_body: dict[str, Any],
+        self, p: Backend, d: Backend, hold: Hold, decode_body: dict[str, Any],
         endpoint: str, headers: dict[str, str], request_id: str, last: bool
     ) -> Response | Retry:
         """The response for the client, or (unless ``last``) the error of a decode that
-        failed before its first token, the prefill's hold released, as a ``Retry``."""
-        decode, prefill = d.url, p.url
+        failed before its first token as a ``Retry``. ``hold`` is handed over when the
+        decode has (or may still read) the prefill's blocks; the caller releases it
+        otherwise."""
+        decode = d.url
         client = self.engines.http
         release = self.router.acquire(d)
         dreq = client.build_request(
@@ -217,15 +226,13 @@ class Flow:
             dead = isinstance(exc, DEAD_DECODE)
             if dead:
                 self.router.failed(d)
-            if kv_params is not None and (dead or never_reached(exc)):
-                self.releaser.later(prefill, kv_params, request_id)
+            if not (dead or never_reached(exc)):
+                hold.handed_over()  # a decode still at work may read the blocks yet
             response = transport_error("decode", decode, exc)
             return Retry(response) if dead and not last else response
         if dresp.status_code >= 400:
-            if kv_params is not None:
-                # The decode answered with an error before its first token: its load (if
-                # it started one) is over, and nobody will read the prefill's blocks.
-                self.releaser.later(prefill, kv_params, request_id)
+            # The decode answered with an error before its first token: its load (if it
+            # started one) is over, and nobody will read the prefill's blocks (released).
             if dresp.status_code in RETRY_DECODE_STATUS and not last:
                 self.router.failed(d)
                 await dresp.aclose()
@@ -244,9 +251,8 @@ class Flow:
                         request_id, decode, exc)
             self.metrics.upstream_errors.labels("decode").inc()
             self.router.failed(d)
-            if kv_params is not None:
-                self.releaser.later(prefill, kv_params, request_id)
             response = transport_error("decode", decode, exc)
             return response if last else Retry(response)
+        hold.handed_over()  # its first token: the decode has read the prefill's blocks
         self.router.succeeded(d)
         return UpstreamResponse(dresp, decode, request_id, first, chunks, on_close=release)
