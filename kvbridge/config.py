@@ -38,8 +38,9 @@ DEFAULT_LEASE_SECONDS: float = SETTINGS["kv_lease_seconds"].default
 DEFAULT_TRANSFER_TIMEOUT: float = SETTINGS["transfer_timeout"].default
 DEFAULT_NODE_TIMEOUT: float = SETTINGS["node_timeout"].default
 
-__all__ = ["SIDE_CHANNEL_PORT_SETTING", "MultiNodeConfig", "SideChannelConfig", "TLSConfig",
-           "parse_cert_reqs", "parse_tokens", "read_named_tokens", "read_token_file"]
+__all__ = ["SIDE_CHANNEL_PORT_SETTING", "TOKEN_SCOPES", "MultiNodeConfig", "NamedToken",
+           "SideChannelConfig", "TLSConfig", "parse_cert_reqs", "parse_tokens",
+           "read_named_tokens", "read_token_file"]
 
 
 @dataclass(frozen=True)
@@ -192,50 +193,83 @@ class SideChannelConfig:
         return out
 
 
-def read_token_file(path: str) -> str:
+def _read_secret(path: str, what: str) -> str:
+    """The text of a secret file, refused when group or others may read it (or it is not
+    UTF-8: a ``ConfigError`` either way, never another exception)."""
     p = Path(path)
     try:
         st = p.stat()
-        text = p.read_text().strip()
+        raw = p.read_bytes()
     except OSError as e:
-        raise ConfigError(f"cannot read token file {path}: {e.strerror}") from None
+        raise ConfigError(f"cannot read {what} {path}: {e.strerror}") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"token file {path} is readable by group or others "
+        raise ConfigError(f"{what} {path} is readable by group or others "
                           f"(mode {stat.S_IMODE(st.st_mode):o}): chmod 600 it")
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path} is not UTF-8 text") from None
+
+
+def read_token_file(path: str) -> str:
+    text = _read_secret(path, "token file").strip()
     if not text:
         raise ConfigError(f"token file {path} is empty")
     return text
 
 
-_TOKEN_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+# What a named token may be used for. A ``tokens_file`` line without scopes has them all.
+TOKEN_SCOPES: tuple[str, ...] = ("metadata", "release", "prewarm")
+_TOKEN_NAME = re.compile(r"([A-Za-z0-9_.@-]{1,64})(?:\[([a-z,]*)\])?")
 
 
-def parse_tokens(text: str, path: str) -> dict[str, str]:
-    """``name:token`` lines (blank lines and ``#`` comments skipped) -> {name: token}."""
-    out: dict[str, str] = {}
+@dataclass(frozen=True)
+class NamedToken:
+    """One ``tokens_file`` line: the token and what it may do (``TOKEN_SCOPES``)."""
+
+    token: str
+    scopes: frozenset[str] = frozenset(TOKEN_SCOPES)
+
+
+def _scopes(text: str | None, where: str) -> frozenset[str]:
+    if text is None:
+        return frozenset(TOKEN_SCOPES)
+    scopes = text.split(",")
+    unknown = [s for s in scopes if s not in TOKEN_SCOPES]
+    if unknown or len(set(scopes)) != len(scopes):
+        raise ConfigError(f"{where}: scopes must be distinct ones of {', '.join(TOKEN_SCOPES)}"
+                          f" (got {text[:64]!r})")
+    return frozenset(scopes)
+
+
+def parse_tokens(text: str, path: str) -> dict[str, NamedToken]:
+    """``NAME:TOKEN`` or ``NAME[SCOPE,...]:TOKEN`` lines (blank lines and ``#`` comments
+    skipped) -> {name: NamedToken}. Any line that is not one of these refuses the whole
+    file: a server then accepts no named token (it fails closed)."""
+    out: dict[str, NamedToken] = {}
     for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        name, sep, token = line.partition(":")
-        name, token = name.strip(), token.strip()
-        if not sep or not _TOKEN_NAME.fullmatch(name) or not token:
-            raise ConfigError(f"{path}:{n}: expected NAME:TOKEN (NAME of [A-Za-z0-9_.@-])")
+        head, sep, token = line.partition(":")
+        head, token = head.strip(), token.strip()
+        m = _TOKEN_NAME.fullmatch(head)
+        if not sep or m is None or not token:
+            raise ConfigError(f"{path}:{n}: expected NAME:TOKEN or NAME[SCOPE,...]:TOKEN "
+                              "(NAME of [A-Za-z0-9_.@-])")
+        name = m.group(1)
         if name in out:
             raise ConfigError(f"{path}:{n}: token name {name!r} appears twice")
-        out[name] = token
+        out[name] = NamedToken(token, _scopes(m.group(2), f"{path}:{n}"))
     if not out:
         raise ConfigError(f"{path}: no NAME:TOKEN line")
     return out
 
 
-def read_named_tokens(path: str) -> dict[str, str]:
-    """A ``tokens_file``: ``name -> token``. The side channel's ``authz`` re-reads it when it
-    changes; here so that a bad file fails when the settings are checked."""
-    # same permission checks as a single token file; its text is the NAME:TOKEN lines
-    read_token_file(path)
-    with open(path) as f:
-        return parse_tokens(f.read(), path)
+def read_named_tokens(path: str) -> dict[str, NamedToken]:
+    """A ``tokens_file``: ``name -> NamedToken``. The side channel's ``authz`` re-reads it
+    when it changes; here so that a bad file fails when the settings are checked."""
+    return parse_tokens(_read_secret(path, "tokens file"), path)
 
 
 def parse_cert_reqs(value: str | int | None) -> int:

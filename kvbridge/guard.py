@@ -39,6 +39,7 @@ import uvicorn
 from kvbridge.settings import ConnectionBudget
 
 __all__ = [
+    "PEER_CERT",
     "ConnectionBudget",
     "ConnectionGuard",
     "GuardCollector",
@@ -172,6 +173,12 @@ class _Trimmer:
 _TRIMMER = _Trimmer()
 
 
+# The scope key under which a request carries its connection's verified client
+# certificate (``ssl.SSLSocket.getpeercert()``; None without TLS or without one): what
+# authorization is decided on (``kvbridge.handshake.authz``), on every guarded server.
+PEER_CERT = "kvbridge.peer_cert"
+
+
 class _GuardMixin:
     """Goes before uvicorn's ``HttpToolsProtocol`` (or a subclass) in the bases."""
 
@@ -199,6 +206,7 @@ class _GuardMixin:
         super().data_received(data)  # type: ignore[misc]
 
     def on_headers_complete(self) -> None:
+        self.scope[PEER_CERT] = self._guard_peer_cert()  # type: ignore[attr-defined]
         self._guard_in_head = False
         # The body (if any) has body_timeout to arrive; on_message_complete ends it.
         self._guard_in_body = True
@@ -230,6 +238,12 @@ class _GuardMixin:
             )
             return
         super().timeout_keep_alive_handler()  # type: ignore[misc]
+
+    def _guard_peer_cert(self) -> dict | None:
+        if not hasattr(self, "_guard_cert"):  # once per connection
+            ssl_object = self.transport.get_extra_info("ssl_object")
+            self._guard_cert = None if ssl_object is None else ssl_object.getpeercert()
+        return self._guard_cert
 
     def _guard_pending(self) -> bool:
         """Bytes (or an EOF) wait unread in the socket."""

@@ -27,7 +27,7 @@ from kvbridge.server.membership import MAX_RECORD_BYTES, Membership
 from kvbridge.server.proxy import build_proxy_app
 from kvbridge.server.routing import Router
 from kvbridge.testing.api_server import BackgroundServer
-from kvbridge.testing.certs import issue, new_ca
+from kvbridge.testing.certs import issue, issue_with_names, new_ca
 from tests.helpers import compat, full_store, wait_until
 
 HOST = "127.0.0.1"
@@ -368,3 +368,187 @@ def test_rotation_end_to_end_without_restarting_server_or_client(tmp_path):
     finally:
         client.close()
         server.stop()
+
+
+# -- the trust layer under hostile input: certificates, globs, token files, the audit log ---
+
+@pytest.fixture(scope="module")
+def odd_certs(tmp_path_factory) -> dict[str, object]:
+    """A CA, a server certificate, and client certificates with unusual names."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    d = tmp_path_factory.mktemp("odd-certs")
+    ca = new_ca(d)
+    dirname = x509.DirectoryName(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                                                "decode-a.kv.internal")]))
+    out: dict[str, object] = {"ca": str(d / "ca.pem"), "ca_obj": ca, "dir": d,
+                              "server": (str(issue(ca, d, "server", "127.0.0.1")),
+                                         str(d / "server.key"))}
+    out["dirname-only"] = issue_with_names(ca, d, "dirname-only", [dirname])
+    out["dirname-then-dns"] = issue_with_names(
+        ca, d, "dirname-then-dns", [dirname, x509.RFC822Name("ops@kv.internal"),
+                                    x509.DNSName("decode-b.kv.internal")])
+    out["ip"] = issue_with_names(ca, d, "ip", [dirname,
+                                              x509.IPAddress(ipaddress.ip_address("10.0.0.7"))])
+    for name in ("decode-a", "decode-x.attacker.example", "a.b.kv.internal", "b.kv.internal"):
+        out[name] = (str(issue(ca, d, name, name)), str(d / f"{name}.key"))
+    return out
+
+
+def _mtls_server(certs: dict[str, object], allowed: str, **extra: str):
+    cert, key = certs["server"]  # type: ignore[misc]
+    cfg = SideChannelConfig.load({
+        "handshake_method": "http", "side_channel_port": 0, "ssl_certfile": cert,
+        "ssl_keyfile": key, "ssl_ca_certs": certs["ca"], "ssl_cert_reqs": "required",
+        "ssl_allowed_peers": allowed, **extra}, environ={})
+    server = make_server(cfg, full_store(1))
+    server.start()
+    return server
+
+
+def _get(certs: dict[str, object], name: str, port: int, token: str | None = None
+         ) -> httpx.Response:
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=certs["ca"])  # type: ignore[arg-type]
+    ctx.load_cert_chain(*certs[name])  # type: ignore[misc]
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client(verify=ctx, timeout=10) as c:
+        return c.get(f"https://{HOST}:{port}/v1/kv/handshake/0", headers=headers)
+
+
+def test_a_certificate_whose_only_san_is_a_dirname_is_refused_not_a_500(odd_certs):
+    server = _mtls_server(odd_certs, "decode-*.kv.internal,10.0.0.*")
+    try:
+        r = _get(odd_certs, "dirname-only", server.port)
+        assert r.status_code == 403, r.text  # the DirName names no host: not on the list
+        assert "names no host" in r.json()["error"]["message"]
+        # a DirName (and an email) before the DNS name that is on the list: skipped
+        assert _get(odd_certs, "dirname-then-dns", server.port).status_code == 200
+        assert _get(odd_certs, "ip", server.port).status_code == 200  # an IP SAN matches
+    finally:
+        server.stop()
+
+
+def test_an_allow_list_star_stays_within_one_dns_label(odd_certs):
+    server = _mtls_server(odd_certs, "decode-*,*.kv.internal")
+    try:
+        status = {name: _get(odd_certs, name, server.port).status_code for name in (
+            "decode-a", "decode-x.attacker.example", "b.kv.internal", "a.b.kv.internal")}
+    finally:
+        server.stop()
+    assert status == {"decode-a": 200, "decode-x.attacker.example": 403,
+                      "b.kv.internal": 200, "a.b.kv.internal": 403}
+
+
+def _tokens_server(path, **extra: str):
+    server = make_server(SideChannelConfig.load({
+        "handshake_method": "http", "side_channel_port": 0, "tokens_file": str(path),
+        **extra}, environ={}), full_store(1))
+    server.start()
+    return server
+
+
+def _status(port: int, token: str) -> int:
+    return httpx.get(f"http://{HOST}:{port}/v1/kv/handshake/0", timeout=10,
+                     headers={"authorization": f"Bearer {token}"}).status_code
+
+
+def _untrusted(path, how: str) -> None:
+    """Revoke ``b`` with a file that cannot be trusted, ``how``."""
+    if how == "mode 644":
+        _write_tokens(path, "a:tok-a\n")
+        path.chmod(0o644)
+    elif how == "chmod 644 only":
+        path.chmod(0o644)  # same content, b still in it: the mode alone is a change
+    elif how == "malformed line":
+        _write_tokens(path, "a:tok-a\nthis line is no token\n")
+    elif how == "duplicate name":
+        _write_tokens(path, "a:tok-a\na:tok-a2\n")
+    elif how == "unknown scope":
+        _write_tokens(path, "a[everything]:tok-a\n")
+    elif how == "deleted":
+        path.unlink()
+    elif how == "unreadable":
+        path.unlink()
+        path.mkdir()  # reading it fails (as root, a mode 000 file would still be read)
+    elif how == "not utf-8":
+        _write_tokens(path, "a:tok-a\n")
+        path.write_bytes(b"a:tok-\xff\n")
+
+
+@pytest.mark.parametrize("how", ["mode 644", "chmod 644 only", "malformed line",
+                                 "duplicate name", "unknown scope", "deleted", "unreadable",
+                                 "not utf-8"])
+def test_a_tokens_file_that_cannot_be_trusted_fails_closed(tmp_path, how, caplog):
+    path = tmp_path / "tokens"
+    _write_tokens(path, "a:tok-a\nb:tok-b\n")
+    server = _tokens_server(path)
+    try:
+        assert _status(server.port, "tok-a") == _status(server.port, "tok-b") == 200
+        with caplog.at_level(logging.INFO, logger="kvbridge.handshake.authz"):
+            _untrusted(path, how)
+            # b's line is gone (or the file may no longer say so): nobody gets in
+            assert [_status(server.port, t) for t in ("tok-b", "tok-a", "tok-b")] == [401] * 3
+            errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+            assert len(errors) == 1, [r.getMessage() for r in errors]  # once per change
+            assert "refusing every token" in errors[0].getMessage()
+            if path.is_dir():
+                path.rmdir()
+            _write_tokens(path, "a:tok-a\n")  # fixed: a is back, b stays revoked
+            assert (_status(server.port, "tok-a"), _status(server.port, "tok-b")) == (200, 401)
+    finally:
+        server.stop()
+
+
+def test_token_scopes_limit_what_a_named_token_may_do(tmp_path):
+    path = tmp_path / "tokens"
+    _write_tokens(path, "# the proxy releases and prewarms; it reads no metadata\n"
+                        "proxy[release,prewarm]:tok-p\ndecode-a[metadata]:tok-a\nold:tok-o\n")
+    server = _tokens_server(path)
+    try:
+        r = httpx.get(f"http://{HOST}:{server.port}/v1/kv/handshake/0", timeout=10,
+                      headers={"authorization": "Bearer tok-p"})
+        assert r.status_code == 403 and "'metadata' scope" in r.json()["error"]["message"]
+        assert _status(server.port, "tok-a") == _status(server.port, "tok-o") == 200
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("text", ["a[bogus]:x\n", "a[]:x\n", "a[release,release]:x\n",
+                                  "a[release:x\n", "a[Release]:x\n"])
+def test_token_scopes_are_checked_at_start(tmp_path, text):
+    path = tmp_path / "tokens"
+    _write_tokens(path, "a[release]:x\nb[metadata,prewarm]:y\nc:z\n")
+    SideChannelConfig.load({"tokens_file": str(path)}, environ={})  # the syntax: accepted
+    _write_tokens(path, text)
+    with pytest.raises(ConfigError, match="tokens"):
+        SideChannelConfig.load({"tokens_file": str(path)}, environ={})
+
+
+def test_refused_callers_cannot_grow_the_audit_log_without_bound(tmp_path):
+    from kvbridge.handshake.audit import AUDIT_BURST
+
+    tokens, audit = tmp_path / "tokens", tmp_path / "audit.jsonl"
+    _write_tokens(tokens, "a:tok-a\n")
+    server = _tokens_server(tokens, audit_log=str(audit))
+    flood = 1000
+    try:
+        with httpx.Client(base_url=f"http://{HOST}:{server.port}", timeout=10) as c:
+            for _ in range(flood):
+                assert c.get("/v1/kv/handshake/0").status_code == 401
+            assert c.get("/v1/kv/handshake/0",
+                         headers={"authorization": "Bearer tok-a"}).status_code == 200
+    finally:
+        server.stop()  # writes what is still counted
+    lines = [json.loads(line) for line in audit.read_text().splitlines()]
+    refused = [r for r in lines if r["result"] == "refused 401"]
+    counted = [r for r in lines if r["result"] == "suppressed"]
+    assert [r["token"] for r in lines if r["result"] == "ok"] == ["a"]  # never dropped
+    assert AUDIT_BURST <= len(refused) < flood / 2, len(refused)
+    assert counted and all(r["outcome"] == "refused 401" for r in counted)
+    assert len(refused) + sum(r["count"] for r in counted) == flood  # every refusal told
+    print(f"audit log: {len(lines)} lines ({audit.stat().st_size} bytes) for {flood} refusals")

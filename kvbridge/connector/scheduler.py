@@ -309,14 +309,19 @@ class NixlSchedulerConnector:
         request or is gone). Thread-safe; the engine frees the blocks on its next step.
         False when the request is not held (read already, expired, or unknown) or
         ``hold_key`` is not the key its params carried (ignored, and counted)."""
+        return self.release_outcome(request_id, hold_key) == "released"
+
+    def release_outcome(self, request_id: str, hold_key: str | None) -> str:
+        """``release``, saying which: ``released``, ``not held`` (read already, expired,
+        unknown) or ``wrong key`` (held, but not with this key: ignored, and counted)."""
         if request_id not in self._leases:
-            return False
+            return "not held"
         if not _same_key(self._hold_keys.get(request_id), hold_key):
             self.metrics.kv_notes_ignored.labels("bad_key").inc()
-            return False
+            return "wrong key"
         with self._abandoned_lock:
             self._abandoned.add(request_id)
-        return True
+        return "released"
 
     # -- helpers -----------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ the package: errors, config, guard, metadata, net, background, registry):
 
 * ``base``               the interface: ``MetadataStore``, ``HandshakeServer``, ``HandshakeClient``
 * ``payloads``           opaque per-rank payloads in a versioned envelope (the vLLM plug-in)
+* ``audit``              the audit log: one JSON line per decision, refusals rate-limited
 * ``authz``              who may fetch: named tokens, client-certificate allow-list, audit log
 * ``http_routes``        the http routes and media type both ends agree on
 * ``http_protocol``      uvicorn's httptools protocol with a cap on the request head (431)

@@ -1,119 +1,181 @@
 """Who may fetch metadata (or release a hold), decided per peer, and a record of who did.
 
-* **Named tokens.** ``tokens_file`` holds one ``name:token`` per line (``#`` comments):
-  each peer (or group of peers) gets its own token, and removing its line revokes it.
-  Without it, the single ``token`` (or ``token_file``) is accepted under the name
-  ``token``. Both files are read again whenever they change on disk (checked on each
-  request: one ``stat``), so a token is rotated without a restart: add the new one, move
-  the peers to it, remove the old one. A file that became unreadable or empty keeps the
-  last good set (logged once).
+* **Named tokens.** ``tokens_file`` holds one ``name:token`` per line (``#`` comments),
+  or ``name[scope,...]:token`` to limit what the token may do: ``metadata`` (fetch from
+  the side channel), ``release`` (a prefill's ``/v1/kv/release``), ``prewarm`` (a
+  decode's ``/v1/kv/prewarm``); a line without scopes has them all. Each peer (or group
+  of peers) gets its own token, and removing its line revokes it. Without it, the single
+  ``token`` (or ``token_file``) is accepted under the name ``token``, for everything.
+  Both files are read again whenever they change on disk (checked on each request: one
+  ``stat``; a ``chmod`` is a change), so a token is rotated without a restart: add the
+  new one, move the peers to it, remove the old one. A server fails closed: while its
+  file cannot be trusted (gone, unreadable, readable by group or others, a line that is
+  not a token, a name twice) it accepts no token at all, and says so once per change.
 * **Certificate allow-list.** With mutual TLS, ``ssl_allowed_peers`` (comma-separated
-  glob patterns) admits only client certificates whose subject CN or one of whose
-  subjectAltNames (DNS, URI, IP) matches a pattern; a valid certificate from the right
-  CA that is not on the list gets 403.
-* **Audit log.** ``audit_log`` (a path) gets one JSON line per metadata fetch, refusal
-  and release: ``time``, ``peer`` (address), ``cert`` (certificate identity), ``token``
-  (token name), ``route``, ``rank``, ``result``.
+  glob patterns; ``*`` and ``?`` never cross a ``.`` or ``/``, so ``*`` stands for
+  within one DNS label) admits only client certificates whose subject CN or one of whose
+  subjectAltNames (DNS, URI, IP; other kinds are ignored) matches a pattern; a valid
+  certificate from the right CA that is not on the list, or no certificate, gets 403.
+* **Audit log** (``kvbridge.handshake.audit``): one JSON line per metadata fetch, refusal
+  and release, refusals rate-limited.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import hmac
-import json
 import logging
 import os
+import re
 import threading
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.config import SideChannelConfig, parse_tokens, read_named_tokens, read_token_file
+from kvbridge.config import (
+    TOKEN_SCOPES,
+    NamedToken,
+    SideChannelConfig,
+    parse_tokens,
+    read_named_tokens,
+    read_token_file,
+)
 from kvbridge.errors import ConfigError
+from kvbridge.handshake.audit import AuditLog
 
-__all__ = ["AuditLog", "Authorizer", "Decision", "PeerAllowList", "TokenSet",
-           "cert_identities", "parse_tokens", "read_named_tokens"]
+__all__ = ["TOKEN_SCOPES", "AuditLog", "Authorizer", "Decision", "NamedToken", "PeerAllowList",
+           "TokenSet", "cert_identities", "parse_tokens", "read_named_tokens"]
 
 log = logging.getLogger(__name__)
 
-class TokenSet:
-    """The tokens a server accepts, by name; files are read again when they change."""
+_Stamp = tuple[int, ...] | str  # a file's identity and state, or why it cannot be stat'ed
 
-    def __init__(self, tokens: dict[str, str] | None, *, path: str | None = None,
-                 named: bool = False):
-        self._tokens = tokens  # None: no token required
+
+class TokenSet:
+    """The tokens a server accepts, by name; files are read again when they change.
+
+    ``fail_closed`` (a server): a file that cannot be trusted empties the set until it is
+    fixed. Otherwise (a client's own token) the last good token is kept."""
+
+    def __init__(self, tokens: Mapping[str, str | NamedToken] | None, *,
+                 path: str | None = None, named: bool = False, fail_closed: bool = False):
+        self._tokens = None if tokens is None else {
+            k: v if isinstance(v, NamedToken) else NamedToken(v) for k, v in tokens.items()}
         self._path = path
         self._named = named
+        self._fail_closed = fail_closed
         self._stamp = self._stat()
         self._lock = threading.Lock()
-        self._warned = False
 
     @classmethod
     def from_config(cls, cfg: SideChannelConfig) -> TokenSet:
         if cfg.tokens_file:
-            return cls(read_named_tokens(cfg.tokens_file), path=cfg.tokens_file, named=True)
+            return cls(read_named_tokens(cfg.tokens_file), path=cfg.tokens_file, named=True,
+                       fail_closed=True)
         if cfg.token is None:
             return cls(None)
-        return cls({"token": cfg.token}, path=cfg.token_file)
+        return cls({"token": cfg.token}, path=cfg.token_file, fail_closed=True)
 
     @property
     def required(self) -> bool:
         return self._tokens is not None
 
-    def _stat(self) -> tuple[int, int, int] | None:
+    def _stat(self) -> _Stamp | None:
         if self._path is None:
             return None
         try:
             st = os.stat(self._path)
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size, st.st_ino
+        except OSError as e:
+            return e.strerror or type(e).__name__
+        # ctime and mode too: a chmod alone changes whether the file can be trusted
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_mode)
+
+    def _read(self, stamp: _Stamp) -> dict[str, NamedToken]:
+        path = self._path
+        assert path is not None
+        if isinstance(stamp, str):
+            raise ConfigError(f"cannot read {path}: {stamp}")
+        if self._named:
+            return read_named_tokens(path)
+        return {"token": NamedToken(read_token_file(path))}
 
     def _refresh(self) -> None:
+        if self._path is None:
+            return
         stamp = self._stat()
-        if stamp == self._stamp or stamp is None:
+        if stamp == self._stamp:
             return
         with self._lock:
             if stamp == self._stamp:
                 return
+            self._stamp = stamp  # whatever comes of it, said once for this state of the file
             try:
-                tokens = (read_named_tokens(self._path) if self._named
-                          else {"token": read_token_file(self._path)})  # type: ignore[arg-type]
+                tokens = self._read(stamp)  # type: ignore[arg-type]
             except ConfigError as e:
-                if not self._warned:
-                    log.warning("keeping the last good tokens: %s", e)
-                    self._warned = True
+                if self._fail_closed:
+                    self._tokens = {}
+                    log.error("refusing every token until %s is fixed: %s", self._path, e)
+                else:
+                    log.warning("keeping the last good token: %s", e)
                 return
-            self._tokens, self._stamp, self._warned = tokens, stamp, False
+            self._tokens = tokens
             log.info("tokens re-read from %s (%d)", self._path, len(tokens))
 
     def current(self, name: str = "token") -> str | None:
         """The token called ``name`` now (a client's own token, after a rotation)."""
         self._refresh()
-        return None if self._tokens is None else self._tokens.get(name)
+        found = None if self._tokens is None else self._tokens.get(name)
+        return None if found is None else found.token
 
-    def match(self, given: str | None) -> str | None:
-        """The name of the token ``given`` is, or None. Every token is compared, in
-        constant time each."""
+    def find(self, given: str | None) -> tuple[str, frozenset[str]] | None:
+        """The name and scopes of the token ``given`` is, or None. Every token is
+        compared, in constant time each."""
         self._refresh()
         tokens = self._tokens
         if tokens is None or given is None:
             return None
         found = None
-        for name, token in tokens.items():
-            if hmac.compare_digest(token.encode(), given.encode()):
-                found = name
+        raw = given.encode("utf-8", "surrogateescape")
+        for name, named in tokens.items():
+            if hmac.compare_digest(named.token.encode("utf-8", "surrogateescape"), raw):
+                found = (name, named.scopes)
         return found
 
+    def match(self, given: str | None) -> str | None:
+        """The name of the token ``given`` is, or None."""
+        found = self.find(given)
+        return None if found is None else found[0]
 
-def cert_identities(cert: dict[str, Any] | None) -> list[str]:
-    """Subject CN and subjectAltName values of a peer certificate (``getpeercert()``)."""
-    if not cert:
+
+_SAN_KINDS = frozenset({"DNS", "URI", "IP Address"})  # what a pattern can name
+
+
+def _pairs(items: Any) -> list[tuple[Any, Any]]:
+    """The (key, value) pairs of a tuple of pairs; anything else is skipped."""
+    if not isinstance(items, (tuple, list)):
         return []
-    out = [value for rdn in cert.get("subject", ()) for key, value in rdn
-           if key == "commonName"]
-    out += [value for _, value in cert.get("subjectAltName", ())]
+    return [(i[0], i[1]) for i in items if isinstance(i, (tuple, list)) and len(i) == 2]
+
+
+def cert_identities(cert: Any) -> list[str]:
+    """Subject CN and the DNS, URI and IP subjectAltName values of a peer certificate
+    (``getpeercert()``). Other SAN kinds (a DirName, an email, a registered id) name no
+    host: they are skipped, whatever their shape."""
+    if not cert or not isinstance(cert, dict):
+        return []
+    subject = cert.get("subject")
+    rdns = subject if isinstance(subject, (tuple, list)) else ()
+    out = [value for rdn in rdns for key, value in _pairs(rdn)
+           if key == "commonName" and isinstance(value, str)]
+    out += [value for kind, value in _pairs(cert.get("subjectAltName"))
+            if kind in _SAN_KINDS and isinstance(value, str)]
     return out
+
+
+def _glob(pattern: str) -> re.Pattern[str]:
+    """``*`` (any run) and ``?`` (one character) within one label: never a ``.`` or
+    ``/``. Everything else is literal."""
+    parts = {"*": "[^./]*", "?": "[^./]"}
+    return re.compile("".join(parts.get(c) or re.escape(c) for c in pattern), re.DOTALL)
 
 
 class PeerAllowList:
@@ -121,6 +183,7 @@ class PeerAllowList:
 
     def __init__(self, patterns: list[str]):
         self.patterns = patterns
+        self._compiled = [_glob(p) for p in patterns]
 
     @classmethod
     def parse(cls, text: str | None) -> PeerAllowList | None:
@@ -132,36 +195,12 @@ class PeerAllowList:
         return cls(patterns)
 
     def allows(self, identities: list[str]) -> bool:
-        return any(fnmatch.fnmatchcase(i, p) for i in identities for p in self.patterns)
-
-
-class AuditLog:
-    """JSON lines appended to ``path``, one per decision (thread-safe)."""
-
-    def __init__(self, path: str):
-        try:
-            self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as us
-        except OSError as e:
-            raise ConfigError(f"cannot open the audit log {path}: {e.strerror}") from None
-        self._lock = threading.Lock()
-        self.lines = 0
-
-    def write(self, **fields: Any) -> None:
-        line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
-                           + f".{int(time.time() * 1000) % 1000:03d}Z", **fields},
-                          separators=(",", ":"), default=str)
-        with self._lock:
-            self._file.write(line + "\n")
-            self.lines += 1
-
-    def close(self) -> None:
-        with self._lock:
-            self._file.close()
+        return any(p.fullmatch(i) for i in identities for p in self._compiled)
 
 
 @dataclass(frozen=True)
 class Decision:
-    status: int  # 200: allowed; 401: token; 403: certificate not on the allow-list
+    status: int  # 200: allowed; 401: token; 403: certificate not allowed, or token's scope
     token: str | None  # the token's name
     cert: str | None  # the certificate's identity (its CN, else its first SAN)
     message: str = ""
@@ -189,19 +228,28 @@ class Authorizer:
     def token_only(cls, token: str | None) -> Authorizer:
         return cls(TokenSet(None if token is None else {"token": token}))
 
-    def decide(self, authorization: str | None, peer_cert: dict[str, Any] | None
-               ) -> Decision:
+    def decide(self, authorization: str | None, peer_cert: dict[str, Any] | None,
+               scope: str = "metadata") -> Decision:
+        """May this caller (its ``authorization`` header, the client certificate its
+        connection verified) do ``scope`` (one of ``TOKEN_SCOPES``)?"""
         ids = cert_identities(peer_cert)
         cert = ids[0] if ids else None
         if self.allowed is not None and not self.allowed.allows(ids):
-            return Decision(403, None, cert, "client certificate not allowed")
+            return Decision(403, None, cert, "client certificate not allowed: " + (
+                "this connection presented none (ssl_allowed_peers needs mutual TLS)"
+                if not peer_cert else f"{cert[:128]!r} matches no ssl_allowed_peers pattern"
+                if cert else "its certificate names no host (CN, DNS, URI or IP)"))
         scheme, _, given = (authorization or "").partition(" ")
         name = None
         if self.tokens.required:
-            name = self.tokens.match(given if scheme.lower() == "bearer" else None)
-            if name is None:
+            found = self.tokens.find(given if scheme.lower() == "bearer" else None)
+            if found is None:
                 # Same answer for a missing and a wrong token: nothing to probe.
                 return Decision(401, None, cert, "missing or invalid bearer token")
+            name, scopes = found
+            if scope not in scopes:
+                return Decision(403, name, cert, f"token {name!r} does not have the "
+                                                 f"{scope!r} scope")
         return Decision(200, name, cert)
 
     def record(self, decision: Decision, peer: str | None, route: str, rank: int | None,
@@ -210,3 +258,8 @@ class Authorizer:
             self.audit.write(peer=peer, cert=decision.cert, token=decision.token, route=route,
                              rank=rank, result=result or ("ok" if decision.ok else
                                                           f"refused {decision.status}"))
+
+    def close(self) -> None:
+        """Write what the audit log still counts, and close it."""
+        if self.audit is not None:
+            self.audit.close()

@@ -14,6 +14,7 @@ import json
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvbridge.errors import error_body
+from kvbridge.guard import PEER_CERT
 from kvbridge.handshake.base import MAX_REQUEST_BYTES
 
 
@@ -24,11 +25,6 @@ def _reply_431() -> bytes:
 
 
 _431 = _reply_431()
-
-# The scope key under which a request carries its connection's verified client
-# certificate (``ssl.SSLSocket.getpeercert()``; None without TLS or without one).
-PEER_CERT = "kvbridge.peer_cert"
-
 
 class HeadLimitedHttpTools(HttpToolsProtocol):
     """Refuses a request head over ``head_limit`` bytes: counted as parsed (request target

@@ -51,7 +51,7 @@ def build_app(store: MetadataStore, token: str | None,
 
     async def handshake(request: Request) -> Response:
         decision = authz.decide(request.headers.get("authorization"),
-                                request.scope.get(PEER_CERT))
+                                request.scope.get(PEER_CERT), "metadata")
         peer = None if request.client is None else f"{request.client.host}:{request.client.port}"
         raw = request.path_params.get("tp_rank")
         route = route_name(request.url.path)
@@ -148,7 +148,8 @@ class HttpHandshakeServer(HandshakeServer):
                  observer: Observer | None = None, budget: ConnectionBudget | None = None,
                  authz: Authorizer | None = None, setting: str = SIDE_CHANNEL_PORT_SETTING):
         """``setting`` names what chose the port, for the error when it cannot be bound."""
-        self._app = build_app(store, token, observer, authz)
+        self._authz = authz or Authorizer.token_only(token)
+        self._app = build_app(store, token, observer, self._authz)
         self._tls = tls or TLSConfig()
         # Bind now so the port is known (port 0 = ephemeral) and connections that
         # arrive before uvicorn runs wait in the backlog instead of being refused.
@@ -206,3 +207,4 @@ class HttpHandshakeServer(HandshakeServer):
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._sock.close()
+        self._authz.close()

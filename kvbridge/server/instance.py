@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import ssl
 import threading
 import time
 import uuid
@@ -38,6 +39,7 @@ from kvbridge.connector.worker import NixlWorkerConnectorFactory
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.engine import build_engine
 from kvbridge.errors import KVBridgeError, RequestError
+from kvbridge.guard import PEER_CERT
 from kvbridge.handshake.authz import Authorizer, Decision
 from kvbridge.limits import read_json_body
 from kvbridge.metadata import compat_of, decode_rank
@@ -109,6 +111,11 @@ class Instance:
         identity = model_identity(opts.model)
         self.metrics = Metrics()
         self._authz = Authorizer.from_config(opts.side_channel)
+        if self._authz.allowed is not None and opts.api_tls.cert_reqs != ssl.CERT_REQUIRED:
+            # The KV routes check the API connection's client certificate against it.
+            log.warning("ssl_allowed_peers is set but the API does not require client "
+                        "certificates (--ssl-cert-reqs required): /v1/kv/release and "
+                        "/v1/kv/prewarm will refuse every caller with 403")
         self.connector = NixlSchedulerConnector(
             engine_id=self.engine_id, epoch=self.epoch, tp_size=opts.tp_size,
             total_kv_heads=cfg.num_key_value_heads, block_size=opts.block_size,
@@ -202,10 +209,12 @@ class Instance:
                              sc.handshake_method, "side_channel_host": sc.advertised,
                              "side_channel_port": self.side_channel_port})
 
-    def _authorized(self, request: Request) -> Decision:
-        """The side-channel token (or named tokens), when the instance has one, guards the
-        KV routes; refusals (and releases) go to the audit log, if there is one."""
-        decision = self._authz.decide(request.headers.get("authorization"), None)
+    def _authorized(self, request: Request, scope: str) -> Decision:
+        """The side channel's rules guard the KV routes: its token (or named tokens, with
+        ``scope``) and its allow-list, checked against the client certificate of this API
+        connection. Refusals (and releases) go to the audit log, if there is one."""
+        decision = self._authz.decide(request.headers.get("authorization"),
+                                      request.scope.get(PEER_CERT), scope)
         if not decision.ok:
             self._audit(request, decision)
         return decision
@@ -219,8 +228,8 @@ class Instance:
         unreachable, so nobody will read them. Body: the ``kv_transfer_params`` this prefill
         returned (only ``remote_engine_id``, ``remote_request_id`` and ``remote_hold_key``
         are used; without the hold's key the release is ignored and counted)."""
-        if not (decision := self._authorized(request)).ok:
-            return _error(401, "missing or invalid bearer token (the side-channel token)")
+        if not (decision := self._authorized(request, "release")).ok:
+            return _refused(decision)
         # Only the two ids are read, as strings: a release must not fail because another
         # field of the params (or the request they came with) is one a decode refused.
         try:
@@ -240,16 +249,17 @@ class Instance:
             return _error(409, f"remote_engine_id {shown!r} is not this "
                                f"instance ({self.engine_id})")
         key = body.get("remote_hold_key")
-        released = self.connector.release(request_id, key if isinstance(key, str) else None)
-        self._audit(request, decision, f"released {request_id[:128]}" if released
-                    else f"not held {request_id[:128]}")
+        outcome = self.connector.release_outcome(request_id,
+                                                 key if isinstance(key, str) else None)
+        self._audit(request, decision, f"{outcome} {request_id[:128]}")
+        released = outcome == "released"
         if released:
             self.engine.wake()
         return JSONResponse({"released": released})
 
     async def _kv_prewarm(self, request: Request) -> Response:
-        if not self._authorized(request).ok:
-            return _error(401, "missing or invalid bearer token (the side-channel token)")
+        if not (decision := self._authorized(request, "prewarm")).ok:
+            return _refused(decision)
         try:
             body = json.loads(await read_json_body(request))
             host, port = body["host"], body["port"]
@@ -291,12 +301,21 @@ class Instance:
     def shutdown(self) -> None:
         self.connector.close()
         self.engine.shutdown()
+        self._authz.close()
 
 
 def _block_bytes(cfg, opts: InstanceOptions) -> int:
     itemsize = resolve_dtype(opts.dtype).itemsize
     return (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * opts.block_size
             * cfg.head_dim * itemsize)
+
+
+def _refused(decision: Decision) -> JSONResponse:
+    """401 for the token, 403 for the certificate or the token's scope: what to fix."""
+    hint = " (the side-channel token)" if decision.status == 401 else ""
+    return error_response(decision.status, decision.message + hint,
+                          type_="authentication_error" if decision.status == 401
+                          else "permission_error")
 
 
 def _error(status: int, message: str) -> JSONResponse:

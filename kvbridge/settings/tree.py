@@ -113,22 +113,31 @@ SETTINGS = Tree([
     _sc("tokens_file", str, None,
         "Named tokens the server accepts (side channel over `http`, a prefill's "
         "`/v1/kv/release` and a decode's `/v1/kv/prewarm`), one `NAME:TOKEN` per line, `#` "
-        "comments: one per peer, so one can be revoked. Replaces `token` for what is accepted "
-        "(`token` stays what this instance sends). Read again whenever it changes on disk: "
+        "comments: one per peer, so one can be revoked. `NAME[SCOPE,...]:TOKEN` limits a "
+        "token to some of `metadata` (side-channel fetches), `release`, `prewarm` (a line "
+        "without scopes has all three): give a proxy `proxy[release,prewarm]:...`. Replaces "
+        "`token` for what is accepted (`token` stays what this instance sends). Read again "
+        "whenever it changes on disk; while it cannot be trusted, every token is refused: "
         "see \"Token\".", "KVBRIDGE_SIDE_CHANNEL_TOKENS_FILE",
         flag="--side-channel-tokens-file",
-        rule="file checks as `token_file`; every line `NAME:TOKEN`, `NAME` of "
-        "`[A-Za-z0-9_.@-]`, no name twice, at least one line"),
+        rule="file checks as `token_file`; every line `NAME:TOKEN` or `NAME[SCOPE,...]:TOKEN`, "
+        "`NAME` of `[A-Za-z0-9_.@-]`, scopes distinct ones of `metadata`, `release`, "
+        "`prewarm`, no name twice, at least one line"),
     _sc("ssl_allowed_peers", str, None,
-        "Comma-separated glob patterns (`decode-*.kv.internal`): with mutual TLS, only a "
-        "client certificate whose subject CN or one of whose subjectAltNames (DNS, URI, IP) "
-        "matches one may fetch metadata; another valid certificate of the same CA gets 403. "
-        "`http` side channel.", "KVBRIDGE_SSL_ALLOWED_PEERS",
+        "Comma-separated glob patterns (`decode-*.kv.internal`; `*` and `?` stay within one "
+        "DNS label, never crossing a `.` or `/`): with mutual TLS, only a client certificate "
+        "whose subject CN or one of whose subjectAltNames (DNS, URI, IP) matches one may "
+        "fetch metadata (`http` side channel) or call the KV routes (a prefill's "
+        "`/v1/kv/release`, a decode's `/v1/kv/prewarm`: the API must then require client "
+        "certificates too); another valid certificate of the same CA, or none, gets 403.",
+        "KVBRIDGE_SSL_ALLOWED_PEERS",
         flag="--side-channel-ssl-allowed-peers", rule="needs `ssl_cert_reqs=required`"),
     _sc("audit_log", str, None,
         "File to append one JSON line to per metadata fetch and refusal (`http` side "
         "channel) and per release or refused call of the KV routes: `time`, `peer`, `cert`, "
-        "`token` (token name), `route`, `rank`, `result`. Unset: off.", "KVBRIDGE_AUDIT_LOG",
+        "`token` (token name), `route`, `rank`, `result`. Refusals are rate-limited per "
+        "outcome (100 at once, then 10 a second); a `suppressed` line counts those dropped. "
+        "Unset: off.", "KVBRIDGE_AUDIT_LOG",
         flag="--audit-log", rule="opened at start (append)"),
     _sc("side_channel_keep_alive_timeout", float, 30.0,
         "Seconds the side channel keeps an idle keep-alive connection (its own setting: "

@@ -85,11 +85,15 @@ class Prewarmer:
             delay = min(2 * delay, 2.0)
         self.prewarmed[(p_url, d_url)] = outcome
         if outcome.startswith(("401", "403")):
-            # The decodes require the side-channel token and we have none (or another):
-            # every first request to each pair will pay for the handshake. Say so loudly.
+            # Every first request to each pair will pay for the handshake: say so loudly,
+            # with what to fix. A 401 is the token; a 403 is the proxy's client
+            # certificate (the decode's ssl_allowed_peers) or the token's scopes, as the
+            # decode's answer (in the outcome) says.
             self.metrics.prewarm_failures.labels("unauthorized").inc()
-            log.error("prewarm of %s with %s refused (%s): give the proxy the side-channel "
-                      "token (--kv-token-file)", d_url, p_url, outcome)
+            hint = ("give the proxy the side-channel token (--kv-token-file)"
+                    if outcome.startswith("401") else "the decode does not allow the proxy's "
+                    "client certificate (--client-cert) or its token's scope: see its answer")
+            log.error("prewarm of %s with %s refused (%s): %s", d_url, p_url, outcome, hint)
         elif outcome != "ok":
             self.metrics.prewarm_failures.labels("other").inc()
             log.warning("prewarm of %s with %s: %s", d_url, p_url, outcome)
