@@ -54,6 +54,7 @@ from kvbridge.handshake.http_client import HttpHandshakeClient
 from kvbridge.handshake.http_server import HttpHandshakeServer
 from kvbridge.handshake.payloads import FetchedPayloads, PayloadStore, Rank, fetch_payloads
 from kvbridge.net import bind_error
+from kvbridge.vllm.guards import refuse_unguarded
 from kvbridge.vllm.settings import PluginSettings, load_settings
 from kvbridge.vllm.wire import VllmZmqClient, VllmZmqServer
 
@@ -65,6 +66,11 @@ log = init_logger("vllm.kvbridge")  # vLLM's handler: our lines in its log
 
 # What the opaque payloads of the side channel are (PayloadEnvelope.kind).
 PAYLOAD_KIND = "vllm-nixl/NixlHandshakePayload"
+
+# A feature, not a version: a vLLM whose NixlPullConnector answers supports_sleep_mode
+# (0.33 and later) calls set_xfer_handshake_metadata again after a wake-up and bumps its
+# registration generation, so decodes handshake again; the plug-in republishes then.
+WAKE_UP_REPUBLISHES = callable(getattr(NixlPullConnector, "supports_sleep_mode", None))
 
 _payload_decoder = msgspec.msgpack.Decoder(NixlHandshakePayload)
 _agent_decoder = msgspec.msgpack.Decoder(NixlAgentMetadata)
@@ -337,9 +343,19 @@ class KVBridgeConnector(NixlPullConnector):
     "kv_buffer_device": "cpu", "kv_connector_extra_config": {"handshake_method": "http"}}'``.
     """
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM's answer (UCX only, in 0.33) where a wake-up republishes the metadata,
+        which the plug-in then serves over every method; never otherwise. (vLLM 0.32 does
+        not ask: ``refuse_unguarded`` refuses sleep mode there.)"""
+        if not WAKE_UP_REPUBLISHES:
+            return False
+        return bool(super().supports_sleep_mode(kv_transfer_config))  # type: ignore[misc]
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig):
         settings = _settings(vllm_config)  # a bad setting fails here, in one line
+        refuse_unguarded(vllm_config, kv_cache_config, wake_up_republishes=WAKE_UP_REPUBLISHES)
         # NixlPullConnector.__init__ would build the stock scheduler/worker (and a NIXL
         # agent): run the base's and build ours in their place.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
