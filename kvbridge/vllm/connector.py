@@ -287,7 +287,8 @@ class KVBridgeWorker(NixlPullConnectorWorker):
 
     def _kvbridge_admit(self, handshake_bytes: bytes, remote_rank: int, remote_tp_size: int,
                         expected_engine_id: str, notif_agents_only: bool) -> str:
-        """vLLM 0.32's checks of ``_nixl_handshake``, unchanged in order and wording."""
+        """vLLM's checks of ``_nixl_handshake`` (0.32 and 0.33 alike), unchanged in order
+        and wording; kvbridge/vllm/drift.py fails the suite when vLLM's change."""
         try:
             handshake_payload = _payload_decoder.decode(handshake_bytes)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
