@@ -61,23 +61,30 @@ def test_routed_experts_output_is_refused() -> None:
     refused(cfg, kcc, r"auxiliary outputs \(--enable-return-routed-experts\)")
 
 
-def test_sleep_mode_only_where_a_wake_up_republishes() -> None:
+def test_sleep_mode_only_where_a_wake_up_republishes(model) -> None:
+    """vLLM 0.32 neither republishes after a wake-up nor asks the connector: the plug-in
+    refuses sleep mode there. (vLLM on CPU refuses sleep mode itself, so the flag is set
+    on a real ModelConfig after its validation, as a GPU build would have it.)"""
+    from vllm.config import ModelConfig
+
     from kvbridge.vllm import KVBridgeConnector
     from kvbridge.vllm.connector import WAKE_UP_REPUBLISHES
 
     cfg, kcc = build_config({"handshake_method": "http"})
-    sleeping = SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=True),
-                               parallel_config=cfg.parallel_config)
-    with pytest.raises(ConfigError, match="sleep mode needs a vLLM whose wake-up republishes"):
-        refuse_unguarded(sleeping, kcc, wake_up_republishes=False)
-    refuse_unguarded(sleeping, kcc, wake_up_republishes=True)  # vLLM 0.33: served fresh
-    # The installed vLLM decides by its features (0.32: no supports_sleep_mode, no
-    # republish after a wake-up); vLLM 0.33 asks supports_sleep_mode itself.
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
-
-    assert WAKE_UP_REPUBLISHES == hasattr(NixlPullConnector, "supports_sleep_mode")
-    if not WAKE_UP_REPUBLISHES:
+    cfg.model_config = ModelConfig(model=str(model), dtype="float32")
+    cfg.model_config.enable_sleep_mode = True
+    if WAKE_UP_REPUBLISHES:  # vLLM 0.33: served fresh, vLLM's own answer
+        build(cfg, kcc).shutdown()
+    else:
+        refused(cfg, kcc, r"sleep mode needs a vLLM whose wake-up republishes the NIXL "
+                          r"metadata \(0\.33 and later\)")
         assert KVBridgeConnector.supports_sleep_mode(cfg.kv_transfer_config) is False
+    # The feature, not the version, decides.
+    sleeping = SimpleNamespace(model_config=cfg.model_config,
+                               parallel_config=cfg.parallel_config)
+    with pytest.raises(ConfigError, match="sleep mode needs"):
+        refuse_unguarded(sleeping, kcc, wake_up_republishes=False)
+    refuse_unguarded(sleeping, kcc, wake_up_republishes=True)
 
 
 def test_a_plain_configuration_is_not_refused() -> None:
