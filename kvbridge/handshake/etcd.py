@@ -100,11 +100,12 @@ class EtcdHandshakeServer(HandshakeServer):
         interval = max(self._ttl / 3, 0.2)
         last_ok = due = time.monotonic()
         while not self._stop.is_set():
-            # Health is looked at every half second, etcd only when the keep-alive is due.
+            # Health is looked at every half second, etcd only when the keep-alive is due
+            # (or a republish etcd refused is pending).
             why = None if self._store.health is None else self._store.health()
             if why is not None:  # as http/zmq answer 503: nothing to hand out now
                 self._withdraw(why)
-            elif self._lease is None or time.monotonic() >= due:
+            elif self._lease is None or self._dirty.is_set() or time.monotonic() >= due:
                 try:
                     if self._lease is None:
                         self._publish()
