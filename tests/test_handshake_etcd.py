@@ -218,3 +218,38 @@ def test_metadata_withdrawn_while_the_instance_cannot_serve(etcd):
         _wait(lambda: len(reg.get_prefix(HANDSHAKE_PREFIX)[0]) == 2, 10, "published again")
     finally:
         server.stop()
+
+
+def test_a_republish_etcd_refused_is_put_again(etcd):
+    """New payloads (a vLLM wake-up) while etcd does not answer: the record is put again,
+    under the same lease, as soon as etcd answers; no decode is left with the old one."""
+    from kvbridge.handshake.payloads import PayloadStore, fetch_payloads
+
+    endpoint = parse_registry_url(etcd.url)
+    store = PayloadStore("test/opaque", "engine-a", "epoch-1", tp_size=1)
+    store.set_payloads({(0, 0): b"before"})
+    server = EtcdHandshakeServer(store, endpoint, HOST, free_port(), ttl=60)
+    server.start()
+
+    def served() -> bytes:
+        client = EtcdHandshakeClient(2.0, None, endpoint=endpoint)  # reads etcd itself first
+        try:
+            return fetch_payloads(client, "test/opaque", HOST, server.port, [(0, 0)]
+                                  ).payloads[(0, 0)]
+        finally:
+            client.close()
+
+    try:
+        assert server.published.wait(10)
+        assert served() == b"before"
+        store.set_payloads({(0, 0): b"after"})
+        etcd.pause()
+        try:
+            server.republish()  # etcd hangs: the put times out, kept for later
+        finally:
+            etcd.resume()
+        wait_until(lambda: served() == b"after", 30, "the republished payload in etcd",
+                   tolerate=(RegistryError, HandshakeTimeout))
+    finally:
+        server.stop()
+

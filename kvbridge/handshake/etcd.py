@@ -61,6 +61,9 @@ class EtcdHandshakeServer(HandshakeServer):
         self._lease = None
         self._stop = threading.Event()
         self._published = threading.Event()
+        # A republish (the store's payloads changed) not yet put under the current lease.
+        self._dirty = threading.Event()
+        self._publish_lock = threading.Lock()  # a publish and a republish never interleave
         self._thread = Supervised("kvbridge-etcd-side-channel", self._run, self._stop)
 
     @property
@@ -80,10 +83,12 @@ class EtcdHandshakeServer(HandshakeServer):
         return out
 
     def _publish(self) -> None:
-        lease = self._registry.grant(self._ttl)
-        for key, value in self._values().items():
-            self._registry.put(key, value, lease)
-        self._lease = lease
+        with self._publish_lock:
+            self._dirty.clear()  # the store is read now, after any change so far
+            lease = self._registry.grant(self._ttl)
+            for key, value in self._values().items():
+                self._registry.put(key, value, lease)
+            self._lease = lease
         self._published.set()
         log.info(
             "etcd side channel: published %s under lease %x",
@@ -95,17 +100,20 @@ class EtcdHandshakeServer(HandshakeServer):
         interval = max(self._ttl / 3, 0.2)
         last_ok = due = time.monotonic()
         while not self._stop.is_set():
-            # Health is looked at every half second, etcd only when the keep-alive is due.
+            # Health is looked at every half second, etcd only when the keep-alive is due
+            # (or a republish etcd refused is pending).
             why = None if self._store.health is None else self._store.health()
             if why is not None:  # as http/zmq answer 503: nothing to hand out now
                 self._withdraw(why)
-            elif self._lease is None or time.monotonic() >= due:
+            elif self._lease is None or self._dirty.is_set() or time.monotonic() >= due:
                 try:
                     if self._lease is None:
                         self._publish()
                     elif self._registry.keepalive(self._lease) <= 0:
                         self._lease = None
                         continue
+                    elif self._dirty.is_set():  # a republish etcd refused: again
+                        self._put_again()
                     last_ok = time.monotonic()
                     due = last_ok + interval
                 except RegistryError as e:
@@ -114,6 +122,31 @@ class EtcdHandshakeServer(HandshakeServer):
                         self._lease = None  # expired by now: publish anew when etcd is back
                     due = time.monotonic() + min(interval, 0.5)
             self._stop.wait(min(interval, 0.5))
+
+    def republish(self) -> None:
+        """The store's payloads changed (vLLM re-registered its KV cache): put them again
+        under the current lease now, so no decode reads the old ones from etcd. If etcd
+        refuses, the keep-alive loop tries again; without a lease the next publish reads
+        the store as it is."""
+        self._dirty.set()
+        try:
+            self._put_again()
+        except RegistryError as e:
+            log.warning("etcd side channel: republish delayed: %s", e)
+
+    def _put_again(self) -> None:
+        with self._publish_lock:
+            lease = self._lease
+            if lease is None or not self._dirty.is_set():
+                return
+            self._dirty.clear()
+            try:
+                for key, value in self._values().items():
+                    self._registry.put(key, value, lease)
+            except RegistryError:
+                self._dirty.set()
+                raise
+        log.info("etcd side channel: republished %s", peer_prefix(self._host, self._port))
 
     def _withdraw(self, why: str) -> None:
         lease, self._lease = self._lease, None

