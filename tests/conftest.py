@@ -23,7 +23,6 @@ KVPEER = str(ROOT / "tests" / "kvpeer.py")
 # carry @pytest.mark.slow itself.
 SLOW = (
     "tests/vllm/",  # real vLLM servers
-    "tests/e2e/test_vllm_fleet.py",
     "tests/netns/",
     "tests/e2e/test_demo.py",  # the SmolLM2 demos
     "tests/e2e/test_real_model.py",

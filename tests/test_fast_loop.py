@@ -20,7 +20,7 @@ def _fast(*paths: str) -> list[str]:
 
 
 def test_real_vllm_and_long_end_to_end_runs_are_slow():
-    assert _fast("tests/vllm", "tests/e2e/test_vllm_fleet.py", "tests/e2e/test_demo.py",
+    assert _fast("tests/vllm", "tests/e2e/test_demo.py",
                  "tests/e2e/test_faults.py") == []
 
 
