@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import re
 from itertools import accumulate
+from typing import Any
 
+import msgspec
 from starlette.requests import Request
 
 from kvbridge.errors import RequestError
@@ -23,6 +25,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "MAX_JSON_DEPTH",
     "check_json_body",
+    "decode_json_body",
     "json_depth",
     "read_json_body",
 ]
@@ -100,3 +103,13 @@ async def read_json_body(
     check_json_body(body, max_bytes=max_bytes, max_depth=max_depth)
     return body
 
+
+def decode_json_body(body: bytes) -> Any:
+    """``body`` (checked by ``check_json_body``) decoded as strict JSON: UTF-8 only, no NaN,
+    and no lone surrogate escape (``"\\ud800"``), which no UTF-8 encoder can write back:
+    a proxy that forwards what it decoded must not hold a string it cannot send. Raises
+    ``RequestError`` (400), as an engine's own decoder does for the same body."""
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise RequestError(400, f"request body is not valid JSON: {e}") from None

@@ -15,7 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvbridge.errors import RequestError
 from kvbridge.launch import KVBridgeProcess, free_port
+from kvbridge.limits import decode_json_body
 from tests.conftest import ROOT
 
 # A string that never ends, of quote-backslash pairs: the old pre-scan restarted its string
@@ -148,3 +150,36 @@ def test_the_depth_scan_is_linear_in_the_body() -> None:
         piece, small_s, big_s = line.rsplit(" ", 2)
         # 16 times the size; a floor of 1 ms for timings too small to compare
         assert float(big_s) <= FACTOR * max(float(small_s), 1e-3), (piece, small_s, big_s)
+
+
+# -- strings no encoder can write back ------------------------------------------------------
+
+LONE_SURROGATES = [
+    ("/v1/completions", rb'{"prompt": "hi \ud800", "max_tokens": 2}'),
+    ("/v1/completions", rb'{"prompt": "hi \ud800x", "max_tokens": 2}'),
+    ("/v1/completions", rb'{"prompt": "hi", "max_tokens": 2, "user": "\udfff"}'),
+    ("/v1/chat/completions",
+     rb'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "user": "\udfff"}'),
+    ("/v1/chat/completions",
+     rb'{"messages": [{"role": "user", "content": "\ude00 hi"}], "max_tokens": 2}'),
+]
+
+
+@pytest.mark.parametrize("path,body", LONE_SURROGATES)
+def test_a_lone_surrogate_is_a_400_in_the_error_shape_as_on_the_engine(
+        servers: dict[str, str], path: str, body: bytes) -> None:
+    for target in ("proxy", "engine"):
+        r = httpx.post(servers[target] + path, content=body, trust_env=False, timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400, (target, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], target
+        assert err["type"] == "invalid_request_error", target
+
+
+def test_a_surrogate_pair_is_still_text() -> None:
+    body = decode_json_body(rb'{"prompt": "hi \ud83d\ude00"}')
+    assert body == {"prompt": "hi \U0001f600"}
+    with pytest.raises(RequestError) as e:
+        decode_json_body(rb'{"prompt": "hi \ud800"}')
+    assert e.value.status == 400
