@@ -4,13 +4,18 @@ Python's ``json`` and msgspec's untyped decoders recurse once per nesting level:
 ``[`` raise ``RecursionError`` (a 500 with a traceback) instead of a 400. A linear pre-scan
 of the nesting depth is cheap next to decoding, so every JSON body a kvbridge server
 decodes goes through ``check_json_body`` first.
+
+The pre-scan must stay linear in the body whatever the body is: it runs on the event loop,
+before anything is known about the caller.
 """
 
 from __future__ import annotations
 
 import re
 from itertools import accumulate
+from typing import Any
 
+import msgspec
 from starlette.requests import Request
 
 from kvbridge.errors import RequestError
@@ -20,6 +25,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "MAX_JSON_DEPTH",
     "check_json_body",
+    "decode_json_body",
     "json_depth",
     "read_json_body",
 ]
@@ -31,8 +37,13 @@ MAX_BODY_BYTES: int = SETTINGS.from_env("max_body_bytes")  # KVBRIDGE_MAX_BODY_B
 # Deepest nesting of arrays/objects accepted; OpenAI requests nest about 5 levels.
 MAX_JSON_DEPTH: int = SETTINGS.from_env("max_json_depth")  # KVBRIDGE_MAX_JSON_DEPTH
 
-# A JSON string (escapes included): brackets inside strings do not nest anything.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# A JSON string (escapes included): brackets inside strings do not nest anything. The
+# closing quote is optional (an unterminated string runs to the end of the body) and the
+# quantifiers are possessive, so every match from a quote succeeds without backtracking and
+# consumes what it read: one pass over the body. (With a mandatory closing quote, an
+# unterminated string of quote-backslash pairs made the search restart at every quote:
+# time quadratic in the body.)
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"?', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _STEP = bytes.maketrans(b"[]{}", b"\x01\x00\x01\x00")
 
@@ -41,9 +52,7 @@ def json_depth(body: bytes) -> int:
     """The deepest nesting of arrays and objects in ``body`` (0 for a scalar); a
     malformed body gives some number, and the decoder then says what is wrong."""
     brackets = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
-    if not brackets:
-        return 0
-    return max(0, *accumulate(1 if b else -1 for b in brackets.translate(_STEP)))
+    return max(accumulate((1 if b else -1 for b in brackets.translate(_STEP)), initial=0))
 
 
 def check_json_body(
@@ -93,3 +102,14 @@ async def read_json_body(
     body = b"".join(chunks)
     check_json_body(body, max_bytes=max_bytes, max_depth=max_depth)
     return body
+
+
+def decode_json_body(body: bytes) -> Any:
+    """``body`` (checked by ``check_json_body``) decoded as strict JSON: UTF-8 only, no NaN,
+    and no lone surrogate escape (``"\\ud800"``), which no UTF-8 encoder can write back:
+    a proxy that forwards what it decoded must not hold a string it cannot send. Raises
+    ``RequestError`` (400), as an engine's own decoder does for the same body."""
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise RequestError(400, f"request body is not valid JSON: {e}") from None

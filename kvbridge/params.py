@@ -69,6 +69,11 @@ class KVTransferParams(msgspec.Struct, kw_only=True, frozen=True):
         except msgspec.ValidationError as e:
             where = str(e).replace("$.", "kv_transfer_params.")
             raise InvalidKVTransferParams(f"invalid kv_transfer_params: {where}") from None
+        except UnicodeEncodeError:
+            # A lone surrogate (json.loads lets "\ud800" through): no such name or value is
+            # ever valid, and msgspec cannot even look the key up.
+            raise InvalidKVTransferParams(
+                "invalid kv_transfer_params: a string holds a lone surrogate") from None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object a response carries: every field that is set."""

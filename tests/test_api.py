@@ -159,6 +159,24 @@ def test_streamed_completion_matches_non_streamed(client):
     assert usage["choices"] == [] and usage["usage"] == full["usage"]
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_sent_token_ids_text_is_not_sent_again_when_not_streamed(client, server, chat):
+    """protocol.md 11: the decode counts the tokens the client already has (usage) and does
+    not send their text again, streamed or not."""
+    sent = server[1].tokenizer.encode("Hello there")[:2]
+    assert server[1].tokenizer.decode(sent)
+    path, req = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}) \
+        if chat else ("/v1/completions", {"prompt": "The quick brown fox"})
+    req = {**req, **GREEDY, "kv_transfer_params": {"sent_token_ids": sent}}
+    full = client.post(path, json=req).json()
+    text = full["choices"][0]["message"]["content"] if chat else full["choices"][0]["text"]
+    chunks = sse_events(client.post(path, json={**req, "stream": True}))
+    streamed = "".join((c["choices"][0]["delta"].get("content") or "") if chat
+                       else c["choices"][0]["text"] for c in chunks)
+    assert text == streamed
+    assert full["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+
+
 def test_chat_completion_streamed_and_not(client, server):
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "Hi!"}]

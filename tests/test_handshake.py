@@ -754,6 +754,47 @@ def test_http_body_over_the_limit_is_413(servers, certs):
         assert r.status_code == 200
 
 
+def _chunked_head(path: str) -> bytes:
+    return (f"GET {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {TOKEN}\r\n"
+            "transfer-encoding: chunked\r\n\r\n").encode()
+
+
+_CHUNK = b"%x\r\n%s\r\n" % (4096, b"x" * 4096)
+
+
+def test_http_chunked_body_over_the_limit_is_413_and_closed(store):
+    """A chunked body declares no length to refuse up front: it is counted as it streams,
+    answered 413 once over the limit (unless already answered), and the connection closed,
+    so a client cannot pour gigabytes into the side channel."""
+    with serve("http", store, None) as server:
+        # The head and more than the limit at once: refused before the app answers.
+        over = _chunked_head(PATH + "/0") + _CHUNK * (MAX_REQUEST_BYTES // 4096 + 1)
+        with socket.create_connection((HOST, server.port), timeout=10) as s:
+            s.sendall(over)
+            reply = b""
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                while chunk := s.recv(65536):
+                    reply += chunk
+        assert _status(reply) == 413, reply[:100]
+        assert b"prefill" not in reply
+
+        # The head first, answered (200) while the body streams on: closed once over the limit.
+        with socket.create_connection((HOST, server.port), timeout=10) as s:
+            s.sendall(_chunked_head(PATH + "/0"))
+            assert _status(s.recv(65536)) == 200
+            sent = 0
+            with contextlib.suppress(ConnectionError):
+                while sent < 256 << 20:
+                    s.sendall(_CHUNK * 16)
+                    sent += len(_CHUNK) * 16
+        # what the kernel's socket buffers took before the reset, not gigabytes
+        assert sent < 16 << 20, f"{sent} bytes of body taken"
+
+        # within the limit a chunked body is accepted (and ignored); the server goes on
+        within = _chunked_head(PATH + "/0") + _CHUNK * 3 + b"0\r\n\r\n"
+        assert _status(_raw_exchange(server.port, within)) == 200
+
+
 @pytest.mark.parametrize("pieces", [1, 40], ids=["one-write", "trickled"])
 def test_http_head_over_the_limit_is_431(servers, store, pieces):
     """A request head over the limit is refused whether it arrives at once or in pieces;

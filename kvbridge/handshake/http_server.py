@@ -1,9 +1,10 @@
 """The ``http`` side channel's server: a dedicated Starlette app on uvicorn (httptools on
 uvloop), on its own port in its own thread, never mounted on a user-facing API.
 
-Routes: ``kvbridge.handshake.http_routes``. The app refuses request bodies over
-``MAX_REQUEST_BYTES`` (413) and the protocol heads over it (431,
-``kvbridge.handshake.http_protocol``); ``authz`` decides who may fetch.
+Routes: ``kvbridge.handshake.http_routes``. The protocol refuses request heads over
+``MAX_REQUEST_BYTES`` (431) and bodies over it, declared or streamed (413,
+``kvbridge.handshake.http_protocol``); the app refuses declared ones too. ``authz`` decides
+who may fetch.
 """
 
 from __future__ import annotations

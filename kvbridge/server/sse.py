@@ -43,9 +43,18 @@ class Formatter:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
+    def _sent_chars(self) -> int:
+        """Characters of the decoded text the client already has: the sent tokens' text,
+        less a trailing incomplete character (the client got the text without it)."""
+        if not self.sent_token_ids:
+            return 0
+        return len(self.tokenizer.decode(self.sent_token_ids).rstrip("\ufffd"))
+
     def full(self, token_ids: list[int], last: RequestOutput) -> dict[str, Any]:
+        # The sent tokens count (usage) but their text is not sent again (protocol.md §11):
+        # the text is decoded with them, so a character split across both comes out whole.
         token_ids = self.sent_token_ids + token_ids
-        text = self.tokenizer.decode(token_ids)
+        text = self.tokenizer.decode(token_ids)[self._sent_chars():]
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": None, "finish_reason": last.finish_reason}
@@ -77,9 +86,7 @@ class Formatter:
         # Closing ``outputs`` (also when the client disconnects) aborts the request.
         async with contextlib.aclosing(outputs):
             token_ids = list(self.sent_token_ids)
-            # characters of the decoded text already sent (a trailing incomplete character
-            # of the tokens already sent is not: the client got the text without it)
-            sent = len(self.tokenizer.decode(token_ids).rstrip("\ufffd")) if token_ids else 0
+            sent = self._sent_chars()  # characters of the decoded text already sent
             if self.chat and not token_ids:
                 yield sse(self._chunk("", None, role=True))
             out = first

@@ -4,7 +4,6 @@ one failover to another instance when a hop fails before the client got anything
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -14,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvbridge.errors import RequestError
-from kvbridge.limits import read_json_body
+from kvbridge.limits import decode_json_body, read_json_body
 from kvbridge.requestid import MAX_REQUEST_ID, accept_request_id
 from kvbridge.server.proxy.engine_client import (
     EngineClient,
@@ -72,11 +71,11 @@ class Flow:
 
     async def handle(self, request: Request, endpoint: str) -> Response:
         try:
-            body = json.loads(await read_json_body(request))
+            # Decoded as strictly as the engines decode it: nothing the proxy could not
+            # encode again for them (a lone surrogate, NaN) gets past this point.
+            body = decode_json_body(await read_json_body(request))
         except RequestError as e:
             return proxy_error(e.status, e.message, e.type, e.param, e.code)
-        except (ValueError, UnicodeDecodeError):
-            return proxy_error(400, "request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
             return proxy_error(400, "request body must be a JSON object", "invalid_request_error")
         try:
