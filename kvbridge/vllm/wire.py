@@ -18,6 +18,7 @@ as it arrives (its own ZMTP, ``kvbridge.handshake.zmtp_client``).
 
 from __future__ import annotations
 
+import math
 import time
 
 import msgspec
@@ -159,6 +160,9 @@ class VllmZmqClient:
             remote = _clock_decoder.decode(clock_frame)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
             raise WireFormatError(f"{dealer.where}: malformed clock frame: {e}") from None
+        if not math.isfinite(remote):  # NaN or inf would make every expiry time NaN or inf
+            raise WireFormatError(f"{dealer.where}: clock frame {remote!r} is not a finite "
+                                  "number")
         clock.sample(start, recv, remote)
         return payload
 
