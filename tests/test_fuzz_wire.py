@@ -11,20 +11,30 @@ higher to fuzz longer.
 
 from __future__ import annotations
 
+import base64
+import http.server
+import json
 import logging
 import math
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 
+import httpx
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.errors import KVBridgeError, RetryableHandshakeError, WireFormatError
+from kvbridge.errors import (
+    KVBridgeError,
+    RegistryError,
+    RetryableHandshakeError,
+    WireFormatError,
+)
 from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer, ZmqReply
 from kvbridge.handshake.zmtp_client import zmtp_request
 from kvbridge.metadata import (
@@ -34,6 +44,13 @@ from kvbridge.metadata import (
     RankMetadata,
     decode_payload_envelope,
     encode_payload_envelope,
+)
+from kvbridge.registry import (
+    INSTANCES_PREFIX,
+    EtcdEndpoint,
+    EtcdRegistry,
+    InstanceRecord,
+    instance_key,
 )
 from kvbridge.vllm.wire import VllmZmqClient, VllmZmqServer
 from tests import zmtp_raw
@@ -363,6 +380,148 @@ def test_both_listeners_still_answer_after_the_fuzzing(kvbridge_server, vllm_ser
     got = VllmZmqClient(5, 1 << 20).fetch(HOST, vllm_server.port, [(0, 1), (0, 0)])
     assert got.payloads == {(0, 1): b"rank-1", (0, 0): b"rank-0"}
     assert not errors.records
+
+
+# --- etcd: records and the gateway's JSON ------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=3),
+    max_leaves=8)
+_record = {"engine_id": "decode-0", "epoch": "e1", "role": "decode",
+           "api_url": "http://10.0.0.2:8000", "tp_size": 1, "compat_hash": "abc"}
+urls = st.one_of(
+    st.just("http://10.0.0.2:8000"), st.just("https://[::1]:8443/"),
+    st.builds(lambda s, h, p: f"{s}://{h}{p}", st.sampled_from(["http", "https", "ftp", ""]),
+              st.text(max_size=12), st.one_of(st.just(""), st.text(max_size=8).map(
+                  lambda t: ":" + t), st.integers(-1, 10**6).map(lambda n: f":{n}"))),
+    st.text(max_size=20))
+records = st.one_of(
+    st.fixed_dictionaries({k: st.one_of(st.just(v), json_values) for k, v in _record.items()},
+                          optional={"side_channel_port": st.one_of(st.integers(-1, 70_000),
+                                                                   json_values),
+                                    "load": st.one_of(st.integers(-5, 5), json_values),
+                                    "model": json_values, "extra": json_values})
+    .map(lambda d: json.dumps(d).encode()),
+    st.builds(lambda u, t: json.dumps({**_record, "api_url": u, "tp_size": t}).encode(),
+              urls, st.integers(-2, 3)),
+    st.binary(max_size=80))
+
+
+@FUZZ
+@given(data=records)
+def test_an_etcd_record_is_usable_or_refused(data):
+    """What the proxy's membership decodes from etcd: a record it can route to (an http(s)
+    URL httpx takes, ports and sizes in range), or a msgspec error it ignores and counts."""
+    try:
+        record = InstanceRecord.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return
+    url = httpx.URL(record.api_url)
+    assert url.scheme in ("http", "https") and url.host and url.port in (None, *range(1, 65536))
+    assert record.tp_size >= 1 and record.load >= 0
+    assert record.side_channel_port is None or 1 <= record.side_channel_port <= 65535
+    assert instance_key(record).startswith(INSTANCES_PREFIX)
+
+
+class _Gateway:
+    """A fake etcd gRPC gateway on loopback: every POST answered with ``body`` (set per
+    example), then the connection closed."""
+
+    def __init__(self) -> None:
+        self.body = b"{}"
+        gateway = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("connection", "close")
+                self.end_headers()
+                self.wfile.write(gateway.body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((HOST, 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.registry = EtcdRegistry(EtcdEndpoint(HOST, self.server.server_address[1]),
+                                     timeout=DEADLINE)
+
+    def close(self) -> None:
+        self.registry.close()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[_Gateway]:
+    g = _Gateway()
+    yield g
+    g.close()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+kvs = st.one_of(
+    st.fixed_dictionaries({"key": st.one_of(st.binary(max_size=12).map(_b64), json_values)},
+                          optional={"value": st.one_of(st.binary(max_size=40).map(_b64),
+                                                       json_values),
+                                    "mod_revision": st.one_of(st.integers(0, 99).map(str),
+                                                              json_values)}),
+    json_values)
+revisions = st.one_of(st.integers(0, 10**6).map(str), st.integers(0, 10**6), json_values)
+range_replies = st.one_of(
+    st.fixed_dictionaries({"header": st.one_of(
+        st.fixed_dictionaries({"revision": revisions}), json_values)},
+        optional={"kvs": st.one_of(st.lists(kvs, max_size=4), json_values)}),
+    json_values)
+
+
+@FUZZ
+@given(reply=range_replies)
+def test_an_etcd_range_reply_is_read_or_refused(gateway, reply):
+    gateway.body = json.dumps(reply).encode()
+    try:
+        got, revision = _timed(lambda: gateway.registry.get_prefix("/kvbridge/", 1000))
+    except RegistryError:
+        return
+    assert isinstance(revision, int)
+    assert all(isinstance(k, str) and isinstance(v, bytes) and len(v) <= 1000
+               for k, v in got.items())
+
+
+events = st.fixed_dictionaries({}, optional={
+    "type": st.one_of(st.sampled_from(["PUT", "DELETE"]), json_values),
+    "kv": kvs})
+watch_messages = st.one_of(
+    st.fixed_dictionaries({"result": st.one_of(st.fixed_dictionaries({}, optional={
+        "events": st.one_of(st.lists(events, max_size=3), json_values),
+        "compact_revision": st.one_of(st.just("0"), revisions),
+        "canceled": json_values, "cancel_reason": json_values}), json_values)},
+        optional={"error": json_values}),
+    json_values)
+
+
+@FUZZ
+@given(messages=st.lists(watch_messages, max_size=4), cut=st.integers(0, 8))
+def test_an_etcd_watch_stream_is_read_or_refused(gateway, messages, cut):
+    """Events (str keys, bytes values, int revisions) until the stream ends: always a
+    ``RegistryError`` then (``WatchCompacted`` included), never another exception."""
+    stream = b"".join(json.dumps(m).encode() + b"\n" for m in messages)
+    gateway.body = stream[:len(stream) - cut] if cut else stream
+    seen = []
+    with pytest.raises(RegistryError):
+        for ev in _timed(lambda: gateway.registry.watch_prefix("/kvbridge/", 1, 1000)):
+            assert ev.kind in ("put", "delete") and isinstance(ev.key, str)
+            assert isinstance(ev.value, bytes) and isinstance(ev.revision, int)
+            seen.append(ev)
 
 
 # --- regressions the fuzzing found -------------------------------------------------------
