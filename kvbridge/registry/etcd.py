@@ -317,6 +317,11 @@ class EtcdRegistry:
                 try:
                     msg, end = decoder.raw_decode(buf)
                 except ValueError:
+                    # The gateway writes each message as one line of compact JSON: with a
+                    # newline in, the message before it is complete and is not JSON.
+                    if "\n" in buf:
+                        raise RegistryError(f"watch: a message that is not JSON: "
+                                            f"{buf[:100]!r}") from None
                     break  # an incomplete message: wait for the rest
                 buf = buf[end:]
                 message: _WatchMessage = _shaped(msg, _WatchMessage, "watch message")
