@@ -5,7 +5,7 @@ stream) as pure functions or from a fake etcd gateway on loopback.
 
 Each asserts a valid result or a clean refusal (the project's exception, a dropped
 connection), never another exception, never a hang past the deadline. The budget is small
-by default (``KVBRIDGE_FUZZ_EXAMPLES`` examples per test, 30) to fit the fast loop: set it
+by default (``KVBRIDGE_FUZZ_EXAMPLES`` examples per test, 50) to fit the fast loop: set it
 higher to fuzz longer.
 """
 
@@ -58,7 +58,7 @@ from tests.helpers import RawServer, compat, full_store
 
 HOST = "127.0.0.1"
 TOKEN = "fuzz-wire-token"
-EXAMPLES = int(os.environ.get("KVBRIDGE_FUZZ_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("KVBRIDGE_FUZZ_EXAMPLES", "50"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 DEADLINE = 5.0  # an answer or a closed connection by then, else the peer hung
