@@ -12,6 +12,7 @@ See docs/protocol.md for the field-by-field description.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any
 
 import msgspec
@@ -263,6 +264,9 @@ def decode_payload_envelope(data: bytes, kind: str,
     env = _decode(_payload_envelope_decoder, data, "payload envelope")
     if env.kind != kind:
         raise WireFormatError(f"peer serves {env.kind!r} metadata, we read {kind!r}")
+    if not (math.isfinite(env.clock) and math.isfinite(env.wall)):  # the clock offset's inputs
+        raise WireFormatError(f"payload envelope: clock {env.clock!r} or wall {env.wall!r} "
+                              "is not a finite number")
     seen = set()
     for r in env.ranks:
         if r.pp_rank < 0 or r.tp_rank < 0 or (r.pp_rank, r.tp_rank) in seen:

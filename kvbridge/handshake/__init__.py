@@ -13,7 +13,8 @@ the package: errors, config, guard, metadata, net, background, registry):
 * ``deadline_watchdog``  one thread that cuts a connection when its fetch's deadline passes
 * ``tls_sessions``       TLS client contexts and sessions shared per setting, bounded
 * ``http_client``        the http client on ``http.client``: keep-alive pool, capped replies
-* ``zmtp``               ZMTP 3.0 by hand, bounded: the listener and a one-request client
+* ``zmtp``               ZMTP 3.0 by hand, bounded: the shared framing and the listener
+* ``zmtp_client``        the ZMTP client: a DEALER connection, each reply bounded in frames and bytes
 * ``zmq``                the zmq method's messages, server and client (on ``zmtp``)
 * ``etcd``               the etcd method: envelopes published under a lease, read from a watch
 """

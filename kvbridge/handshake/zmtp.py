@@ -1,5 +1,5 @@
-"""ZMTP 3.0 (NULL mechanism) spoken by hand, bounded, for the zmq side channels: a listener
-(``ZmtpListener``) and a one-request client (``zmtp_request``).
+"""ZMTP 3.0 (NULL mechanism) spoken by hand, bounded, for the zmq side channels: the framing
+both ends share and a listener (``ZmtpListener``); the client is ``zmtp_client``.
 
 libzmq bounds a message's frames one by one (``ZMQ_MAXMSGSIZE``) but not how many frames
 a multipart message has, and keeps every frame until the last one arrives: one endless
@@ -11,8 +11,7 @@ The listener speaks to DEALER and REQ clients (pyzmq / libzmq) as a ROUTER would
 request is a multipart message, answered on the same connection in order; a peer that says
 it is another socket type is refused. Connections are bounded like the http side channel's
 (``kvbridge.guard``): a deadline for the greeting and each message once started, an idle
-timeout between messages, and a cap that closes the oldest idle one. The client is a DEALER
-that sends one request and reads one reply within a deadline.
+timeout between messages, and a cap that closes the oldest idle one.
 """
 
 from __future__ import annotations
@@ -23,12 +22,10 @@ import logging
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable
 
 import uvloop
 
-from kvbridge.errors import HandshakeTimeout, RetryableHandshakeError, WireFormatError
 from kvbridge.guard import ConnectionBudget, ConnectionGuard
 
 log = logging.getLogger(__name__)
@@ -253,133 +250,3 @@ class _Conn:
 
     def close(self) -> None:
         self.writer.transport.abort()
-
-
-# --- client --------------------------------------------------------------------------------
-
-# The socket types a DEALER may talk to (ZMTP 3.0).
-SERVER_TYPES = frozenset({"ROUTER", "DEALER", "REP"})
-
-
-def zmtp_request(
-    host: str,
-    port: int,
-    frames: list[bytes],
-    *,
-    deadline: float,
-    max_bytes: int,
-    max_frames: int = MAX_FRAMES,
-    where: str | None = None,
-    limit_name: str = "",
-) -> list[bytes]:
-    """Send one multipart message as a DEALER to ``host:port`` and return the reply's frames,
-    all within ``deadline`` (``time.monotonic()``).
-
-    The reply is bounded as the listener bounds requests: more than ``max_frames`` frames
-    or ``max_bytes`` bytes in all is a ``WireFormatError`` naming the limit, raised before
-    the frame over it is read. No answer by the deadline is ``HandshakeTimeout``; a refused
-    connection or one closed before the reply is ``RetryableHandshakeError`` (the peer may
-    be starting or restarting; the caller retries until its deadline). ``limit_name`` says
-    in the error where ``max_bytes`` comes from.
-    """
-    where = where or f"zmq://{host}:{port}"
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise HandshakeTimeout(f"{where}: no time left for the handshake")
-    try:
-        sock = socket.create_connection((host.strip("[]"), port), timeout=left)
-    except TimeoutError:
-        raise HandshakeTimeout(f"{where}: no connection within the deadline") from None
-    except OSError as e:  # refused, unreachable, no such name (yet)
-        raise RetryableHandshakeError(f"{where}: {type(e).__name__}: {e}") from None
-    try:
-        with sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return _Exchange(sock, deadline, where, limit_name).run(frames, max_bytes, max_frames)
-    except TimeoutError:
-        raise HandshakeTimeout(f"{where}: no reply within the deadline") from None
-    except (ConnectionError, EOFError) as e:
-        raise RetryableHandshakeError(
-            f"{where}: connection closed before the reply ({type(e).__name__})") from None
-    except OSError as e:
-        raise RetryableHandshakeError(f"{where}: {type(e).__name__}: {e}") from None
-
-
-class _Exchange:
-    """One request and its reply on a connected socket, every read bounded by the deadline."""
-
-    def __init__(self, sock: socket.socket, deadline: float, where: str,
-                 limit_name: str) -> None:
-        self.sock, self.deadline, self.where = sock, deadline, where
-        self.limit_name = f" ({limit_name})" if limit_name else ""
-
-    def _recv(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            self.sock.settimeout(left)
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise EOFError
-            got += k
-        return bytes(buf)
-
-    def _send(self, data: bytes) -> None:
-        self.sock.settimeout(max(self.deadline - time.monotonic(), 0.001))
-        self.sock.sendall(data)
-
-    def _frame_head(self) -> tuple[int, int]:
-        (flags,) = self._recv(1)
-        if flags & ~(_MORE | _LONG | _COMMAND):
-            raise WireFormatError(f"{self.where}: bad ZMTP frame flags {flags:#x}")
-        if flags & _LONG:
-            (size,) = struct.unpack(">Q", self._recv(8))
-        else:
-            (size,) = self._recv(1)
-        return flags, size
-
-    def run(self, frames: list[bytes], max_bytes: int, max_frames: int) -> list[bytes]:
-        self._send(_GREETING)
-        peer = self._recv(64)
-        if peer[0] != 0xFF or peer[9] != 0x7F or peer[10] < 3:
-            raise WireFormatError(f"{self.where}: not a ZMTP 3 peer")
-        if peer[12:32].rstrip(b"\x00") != b"NULL":
-            raise WireFormatError(f"{self.where}: security mechanism other than NULL")
-        message = b"".join(_frame(f, _MORE) for f in frames[:-1]) + _frame(frames[-1])
-        self._send(_command(b"READY", {b"Socket-Type": b"DEALER"}) + message)
-        flags, size = self._frame_head()
-        if not flags & _COMMAND or size > 4096:
-            raise WireFormatError(f"{self.where}: no READY command after the greeting")
-        try:
-            props = ready_properties(self._recv(size))
-        except ValueError:
-            raise WireFormatError(f"{self.where}: no READY command after the greeting") from None
-        kind = props.get("socket-type", b"").decode("ascii", "replace")
-        if kind not in SERVER_TYPES:
-            raise WireFormatError(f"{self.where}: the peer is a {kind or '(no type)'} socket, "
-                                  "not one a DEALER can ask")
-        return self._reply(max_bytes, max_frames)
-
-    def _reply(self, max_bytes: int, max_frames: int) -> list[bytes]:
-        out: list[bytes] = []
-        total = 0
-        while True:
-            flags, size = self._frame_head()
-            if flags & _COMMAND:  # e.g. PING between messages: read, bounded, ignored
-                if out or size > 4096:
-                    raise WireFormatError(f"{self.where}: unexpected ZMTP command in the reply")
-                self._recv(size)
-                continue
-            if len(out) >= max_frames:
-                raise WireFormatError(f"{self.where}: reply of more than the limit of "
-                                      f"{max_frames} frames")
-            total += size
-            if total > max_bytes:  # refused before a byte of the frame is read
-                raise WireFormatError(f"{self.where}: reply over the limit of {max_bytes} "
-                                      f"bytes{self.limit_name}")
-            out.append(self._recv(size))
-            if not flags & _MORE:
-                return out

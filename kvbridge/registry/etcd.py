@@ -20,8 +20,10 @@ import ssl
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
+import msgspec
 import requests
 from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import Etcd3Exception
@@ -83,16 +85,57 @@ def _prefix_end(prefix: str) -> str:
     return _b64(bytes(raw))
 
 
-def _checked(kv: object, max_value_bytes: int | None) -> tuple[str, bytes] | None:
-    """(key, value) of one key-value from the gateway, or None (counted) if the key is not
-    UTF-8 or the value is over ``max_value_bytes``: bytes are not trusted until checked."""
-    if not isinstance(kv, dict):
-        ignored("registry", "malformed")
-        return None
+# The gateway's JSON as far as it is read here, checked before use: etcd's int64s come as
+# JSON strings (converted leniently); any other shape is refused, never half-read.
+class _Header(msgspec.Struct):
+    revision: int = 0
+
+
+class _RangeReply(msgspec.Struct):
+    header: _Header
+    kvs: list[Any] = []  # each checked on its own (``_checked``): a bad one is ignored
+
+
+class _Event(msgspec.Struct):
+    type: str = "PUT"
+    kv: Any = None
+
+
+class _WatchResult(msgspec.Struct):
+    events: list[_Event] = []
+    compact_revision: int = 0
+    canceled: bool = False
+    cancel_reason: str = ""
+
+
+class _WatchMessage(msgspec.Struct):
+    result: _WatchResult = msgspec.field(default_factory=_WatchResult)
+    error: Any = None
+
+
+class _KV(msgspec.Struct):
+    key: str
+    value: str = ""
+    mod_revision: int = 0
+
+
+def _shaped(obj: object, kind: type[msgspec.Struct], what: str) -> Any:
+    """``obj`` (the gateway's decoded JSON) as ``kind``, else ``RegistryError``."""
     try:
-        raw_key = base64.b64decode(kv["key"], validate=True)
-        value = base64.b64decode(kv.get("value", ""), validate=True)
-    except (KeyError, TypeError, ValueError):
+        return msgspec.convert(obj, kind, strict=False)
+    except msgspec.ValidationError as e:
+        raise RegistryError(f"etcd: malformed {what}: {e}") from None
+
+
+def _checked(kv: object, max_value_bytes: int | None) -> tuple[str, bytes, int] | None:
+    """(key, value, mod_revision) of one key-value from the gateway, or None (counted) if it
+    is malformed, the key is not UTF-8 or the value is over ``max_value_bytes``: bytes are
+    not trusted until checked."""
+    try:
+        item = msgspec.convert(kv, _KV, strict=False)
+        raw_key = base64.b64decode(item.key, validate=True)
+        value = base64.b64decode(item.value, validate=True)
+    except (msgspec.ValidationError, ValueError):
         ignored("registry", "malformed")
         return None
     try:
@@ -106,7 +149,7 @@ def _checked(kv: object, max_value_bytes: int | None) -> tuple[str, bytes] | Non
         log.warning("registry: ignoring %s: %d bytes, over the bound of %d", key[:200],
                     len(value), max_value_bytes)
         return None
-    return key, value
+    return key, value, item.mod_revision
 
 
 @dataclass(frozen=True)
@@ -183,15 +226,13 @@ class EtcdRegistry:
                 json={"key": _b64(prefix), "range_end": _prefix_end(prefix)},
             )
 
-        result = self._call(call, False)
-        assert isinstance(result, dict)
-        revision = int(result["header"]["revision"])
+        reply: _RangeReply = _shaped(self._call(call, False), _RangeReply, "range reply")
         kvs = {}
-        for kv in result.get("kvs", []):
+        for kv in reply.kvs:
             item = _checked(kv, max_value_bytes)
             if item is not None:
                 kvs[item[0]] = item[1]
-        return kvs, revision
+        return kvs, reply.header.revision
 
     def watch_prefix(self, prefix: str, start_revision: int,
                      max_value_bytes: int | None = None) -> Iterator[WatchEvent]:
@@ -276,22 +317,26 @@ class EtcdRegistry:
                 try:
                     msg, end = decoder.raw_decode(buf)
                 except ValueError:
+                    # The gateway writes each message as one line of compact JSON: with a
+                    # newline in, the message before it is complete and is not JSON.
+                    if "\n" in buf:
+                        raise RegistryError(f"watch: a message that is not JSON: "
+                                            f"{buf[:100]!r}") from None
                     break  # an incomplete message: wait for the rest
                 buf = buf[end:]
-                if "error" in msg:
-                    raise RegistryError(f"watch error: {msg['error']}")
-                result = msg.get("result", {})
-                if int(result.get("compact_revision", 0) or 0) > 0:
-                    raise WatchCompacted(f"compacted at {result['compact_revision']}")
-                if result.get("canceled"):
-                    raise RegistryError(f"watch canceled: {result.get('cancel_reason', '')}")
-                for ev in result.get("events", []):
-                    kind = "delete" if ev.get("type") == "DELETE" else "put"
-                    kv = ev.get("kv")
-                    item = _checked(kv, max_value_bytes if kind == "put" else None)
+                message: _WatchMessage = _shaped(msg, _WatchMessage, "watch message")
+                if message.error is not None:
+                    raise RegistryError(f"watch error: {message.error}")
+                result = message.result
+                if result.compact_revision > 0:
+                    raise WatchCompacted(f"compacted at {result.compact_revision}")
+                if result.canceled:
+                    raise RegistryError(f"watch canceled: {result.cancel_reason}")
+                for ev in result.events:
+                    kind = "delete" if ev.type == "DELETE" else "put"
+                    item = _checked(ev.kv, max_value_bytes if kind == "put" else None)
                     if item is not None:
-                        yield WatchEvent(kind, item[0], item[1],
-                                         int(kv.get("mod_revision", 0) or 0))
+                        yield WatchEvent(kind, *item)
 
     def close(self) -> None:
         """Ends every watch in progress (their iterators raise ``RegistryError``)."""

@@ -12,33 +12,40 @@ The wire, as vLLM's NixlConnector speaks it (``nixl/base_scheduler.py``
 16 KiB, connections budgeted, one bad peer cannot stop it; vLLM's listener dies on a
 malformed request). A rank it does not hold is answered with an empty payload, which a
 stock client fails on at once rather than after its 5 s timeout. ``VllmZmqClient`` asks
-for every rank on one connection within one deadline and caps the reply's size.
+for every rank on one connection within one deadline, each reply capped in frames and bytes
+as it arrives (its own ZMTP, ``kvbridge.handshake.zmtp_client``).
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import msgspec
-import zmq
 
 from kvbridge.config import SIDE_CHANNEL_PORT_SETTING
-from kvbridge.errors import HandshakeTimeout, PeerMismatch, WireFormatError
+from kvbridge.errors import (
+    HandshakeTimeout,
+    PeerMismatch,
+    RetryableHandshakeError,
+    WireFormatError,
+)
 from kvbridge.guard import ConnectionBudget
 from kvbridge.handshake.base import MAX_REQUEST_BYTES, HandshakeServer
 from kvbridge.handshake.payloads import FetchedPayloads, Rank
 from kvbridge.handshake.zmtp import ZmtpListener
+from kvbridge.handshake.zmtp_client import ZmtpDealer
 from kvbridge.net import listen_socket
 
 GET_META_MSG = b"get_meta_msg"
+# A reply as a DEALER reads it: the empty delimiter, the payload, the clock.
+REPLY_FRAMES = 3
+# Room beyond ``max_message_bytes`` for the clock frame (msgpack float64: 9 bytes).
+CLOCK_ROOM = 16
 
 _request_decoder = msgspec.msgpack.Decoder(tuple[bytes, int, int])
 _clock_decoder = msgspec.msgpack.Decoder(float)
 _encoder = msgspec.msgpack.Encoder()
-
-
-def _tcp(host: str, port: int) -> str:
-    return f"tcp://[{host.strip('[]')}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 class VllmZmqServer(HandshakeServer):
@@ -93,7 +100,14 @@ class VllmZmqServer(HandshakeServer):
 
 
 class VllmZmqClient:
-    """Fetches ranks from a vLLM-wire listener (stock vLLM or ``VllmZmqServer``)."""
+    """Fetches ranks from a vLLM-wire listener (stock vLLM or ``VllmZmqServer``).
+
+    Speaks ZMTP itself (``ZmtpDealer``) rather than through libzmq, whose ``MAXMSGSIZE``
+    caps one frame but not how many: each reply is refused at its 4th frame or past
+    ``max_message_bytes`` (+ ``CLOCK_ROOM`` for the clock frame), before the frame over
+    the limit is read. A refused or dropped connection is tried again until the deadline
+    (a peer starting or restarting), the ranks already answered kept.
+    """
 
     method = "zmq"
 
@@ -104,42 +118,66 @@ class VllmZmqClient:
     def fetch(self, host: str, port: int, ranks: list[Rank]) -> FetchedPayloads:
         deadline = time.monotonic() + self.timeout
         where = f"zmq://{host}:{port}"
-        sock = zmq.Context.instance().socket(zmq.DEALER)
         payloads: dict[Rank, bytes] = {}
-        best_rtt, best_offset = float("inf"), 0.0
+        clock = _Clock()
+        delay = 0.02
+        while True:
+            try:
+                with ZmtpDealer(host, port, deadline=deadline, where=where,
+                                limit_name=f"max_message_bytes {self.max_message_bytes} + "
+                                           f"{CLOCK_ROOM} for the clock frame") as dealer:
+                    for rank in ranks:
+                        if rank not in payloads:
+                            payloads[rank] = self._ask(dealer, rank, clock)
+                break
+            except RetryableHandshakeError as e:
+                left = deadline - time.monotonic()
+                if left > 0:
+                    time.sleep(min(delay, left))
+                delay = min(delay * 2, 0.5)
+                if time.monotonic() >= deadline:
+                    raise HandshakeTimeout(f"zmq handshake with {host}:{port} gave up after "
+                                           f"{self.timeout:g}s: {e}") from None
+            except HandshakeTimeout as e:
+                raise HandshakeTimeout(f"zmq handshake with {host}:{port}: not complete "
+                                       f"within {self.timeout:g}s ({e})") from None
+        return FetchedPayloads(engine_id="", epoch="", payloads={r: payloads[r] for r in ranks},
+                               clock_offset=clock.offset)
+
+    def _ask(self, dealer: ZmtpDealer, rank: Rank, clock: _Clock) -> bytes:
+        pp_rank, tp_rank = rank
+        start = time.perf_counter()
+        frames = dealer.request([b"", _encoder.encode((GET_META_MSG, pp_rank, tp_rank))],
+                                max_bytes=self.max_message_bytes + CLOCK_ROOM,
+                                max_frames=REPLY_FRAMES)
+        recv = time.perf_counter()
+        if len(frames) != REPLY_FRAMES or frames[0] != b"":
+            raise WireFormatError(f"{dealer.where}: a reply of {len(frames)} frames is not "
+                                  "vLLM's (payload, clock)")
+        payload, clock_frame = frames[1], frames[2]
+        if not payload:
+            raise PeerMismatch(f"{dealer.where} has no metadata for pp rank {pp_rank}, "
+                               f"tp rank {tp_rank}")
+        if len(payload) > self.max_message_bytes:
+            raise WireFormatError(f"{dealer.where}: a payload of {len(payload)} bytes, over "
+                                  f"the limit of max_message_bytes {self.max_message_bytes}")
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            # A frame over the limit is dropped by libzmq (the connection with it): no reply.
-            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-            if ":" in host:
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(_tcp(host, port))  # zmq retries the connection until the deadline
-            for pp_rank, tp_rank in ranks:
-                start = time.perf_counter()
-                sock.send_multipart([b"", _encoder.encode((GET_META_MSG, pp_rank, tp_rank))])
-                left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-                if not sock.poll(left_ms, zmq.POLLIN):
-                    raise HandshakeTimeout(
-                        f"zmq handshake with {host}:{port}: no reply within {self.timeout:g}s "
-                        f"(peer down, not answering, or reply over {self.max_message_bytes} B)")
-                frames = sock.recv_multipart()
-                recv = time.perf_counter()
-                if len(frames) != 3 or frames[0] != b"":
-                    raise WireFormatError(f"{where}: a reply of {len(frames)} frames is not "
-                                          "vLLM's (payload, clock)")
-                payload, clock = frames[1], frames[2]
-                if not payload:
-                    raise PeerMismatch(f"{where} has no metadata for pp rank {pp_rank}, "
-                                       f"tp rank {tp_rank}")
-                try:
-                    remote = _clock_decoder.decode(clock)
-                except (msgspec.ValidationError, msgspec.DecodeError) as e:
-                    raise WireFormatError(f"{where}: malformed clock frame: {e}") from None
-                payloads[(pp_rank, tp_rank)] = payload
-                # As vLLM: keep the lowest round trip's midpoint estimate.
-                if recv - start < best_rtt:
-                    best_rtt, best_offset = recv - start, remote - (start + recv) / 2
-        finally:
-            sock.close(linger=0)
-        return FetchedPayloads(engine_id="", epoch="", payloads=payloads,
-                               clock_offset=best_offset)
+            remote = _clock_decoder.decode(clock_frame)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise WireFormatError(f"{dealer.where}: malformed clock frame: {e}") from None
+        if not math.isfinite(remote):  # NaN or inf would make every expiry time NaN or inf
+            raise WireFormatError(f"{dealer.where}: clock frame {remote!r} is not a finite "
+                                  "number")
+        clock.sample(start, recv, remote)
+        return payload
+
+
+class _Clock:
+    """As vLLM: the lowest round trip's midpoint estimate of the peer's clock offset."""
+
+    def __init__(self) -> None:
+        self.rtt, self.offset = float("inf"), 0.0
+
+    def sample(self, start: float, recv: float, remote: float) -> None:
+        if recv - start < self.rtt:
+            self.rtt, self.offset = recv - start, remote - (start + recv) / 2
