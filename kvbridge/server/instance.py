@@ -41,7 +41,7 @@ from kvbridge.engine.engine import build_engine
 from kvbridge.errors import KVBridgeError, RequestError
 from kvbridge.guard import PEER_CERT
 from kvbridge.handshake.authz import Authorizer, Decision
-from kvbridge.limits import read_json_body
+from kvbridge.limits import decode_json_body, read_json_body
 from kvbridge.metadata import compat_of, decode_rank
 from kvbridge.metrics import CONTENT_TYPE, Metrics
 from kvbridge.model.loader import load_config, resolve_dtype
@@ -261,7 +261,7 @@ class Instance:
         if not (decision := self._authorized(request, "prewarm")).ok:
             return _refused(decision)
         try:
-            body = json.loads(await read_json_body(request))
+            body = decode_json_body(await read_json_body(request))
             host, port = body["host"], body["port"]
             method = body.get("method")
             wait = body.get("wait", False)

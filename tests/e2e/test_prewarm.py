@@ -88,8 +88,11 @@ def test_prewarm_without_the_token_is_a_401(warm_decode, token):
     {"json": {"host": "127.0.0.1", "port": 70000}},
     {"json": {"host": "", "port": 5600}},
     {"json": {"host": "127.0.0.1", "port": 5600, "wait": "yes"}},
+    # a lone surrogate: valid to a lenient JSON decoder, no string any encoder can write
+    {"content": b'{"host": "h\\ud800", "port": 5600}'},
 ], ids=["not-json", "not-an-object", "no-port", "port-not-a-number", "port-a-string",
-        "port-a-float", "port-out-of-range", "empty-host", "wait-not-a-bool"])
+        "port-a-float", "port-out-of-range", "empty-host", "wait-not-a-bool",
+        "lone-surrogate"])
 def test_malformed_prewarm_is_a_400(warm_decode, token_file, reference, kw):
     d = warm_decode
     r = _prewarm(d, token=token_file.read_text(), **kw)
