@@ -5,7 +5,6 @@ the peer keeps sending, and the client's memory stays flat."""
 from __future__ import annotations
 
 import json
-import socket
 import struct
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 from kvbridge.errors import WireFormatError
 from kvbridge.vllm.wire import VllmZmqClient, VllmZmqServer
 from tests import zmtp_raw
-from tests.helpers import RawServer, wait_until
+from tests.helpers import wait_until
 
 HOST = "127.0.0.1"
 FRAME = 16 * 1024
@@ -44,31 +43,11 @@ print(json.dumps({"error": error, "seconds": time.monotonic() - t0, "before": be
 """
 
 
-def _streaming_router(frame: bytes, sent: list[int], max_frames: int) -> RawServer:
-    """A ZMTP ROUTER answering any request with ``frame`` over and over, the message never
-    ended; ``sent`` gets how many frames went out before the client let go."""
-
-    def handler(conn: socket.socket) -> None:
-        zmtp_raw.accept_as_router(conn)
-        conn.settimeout(30)
-        n = 0
-        try:
-            while n < max_frames:
-                conn.sendall(frame)
-                n += 1
-        except OSError:
-            pass
-        finally:
-            sent.append(n)
-
-    return RawServer(handler)
-
-
 def test_endless_multi_frame_reply_is_refused_at_the_limit_and_rss_stays_flat():
     """Issue 25 item 4: 16 KiB frames, each under libzmq's MAXMSGSIZE, never ending (up to
     320 MiB): refused at the frame limit, within the timeout, the client's RSS flat."""
     sent: list[int] = []
-    with _streaming_router(zmtp_raw.frame(b"\x00" * FRAME, more=True), sent, 20_000) as srv:
+    with zmtp_raw.streaming_router(zmtp_raw.frame(b"\x00" * FRAME, more=True), sent, 20_000) as srv:
         out = subprocess.run([sys.executable, "-c", _CLIENT, str(srv.port), str(TIMEOUT)],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
@@ -102,7 +81,7 @@ def test_reply_bytes_are_capped_at_max_message_bytes():
     # A frame that declares 2**40 bytes: refused from its head, nothing of it read.
     sent: list[int] = []
     declared = zmtp_raw.frame(b"", more=True) + bytes([0x03]) + struct.pack(">Q", 2**40)
-    with _streaming_router(declared, sent, 1) as srv:
+    with zmtp_raw.streaming_router(declared, sent, 1) as srv:
         with pytest.raises(WireFormatError, match=rf"reply over the limit of {limit + 16} bytes "
                                                   rf"\(max_message_bytes {limit} \+ 16 for the "
                                                   r"clock frame\)"):

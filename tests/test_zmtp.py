@@ -5,7 +5,6 @@ client stops reading a reply at the same kind of limit."""
 from __future__ import annotations
 
 import logging
-import socket
 import struct
 import time
 
@@ -18,7 +17,7 @@ from kvbridge.handshake.base import MAX_REQUEST_BYTES
 from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer, ZmqReply, ZmqRequest
 from kvbridge.metadata import SCHEMA_VERSION
 from tests import zmtp_raw
-from tests.helpers import RawServer, compat, full_store, rank_meta, wait_until
+from tests.helpers import compat, full_store, rank_meta, wait_until
 
 HOST = "127.0.0.1"
 TOKEN = "zmtp-token"
@@ -108,31 +107,11 @@ def test_req_client_and_pipelined_dealer_requests():
 
 # --- the client: a peer's reply is bounded as the listener bounds requests -----------------
 
-def _streaming_router(frame: bytes, sent: list[int], max_frames: int = 100_000) -> RawServer:
-    """A ZMTP ROUTER that answers any request with ``frame`` over and over, never ending the
-    message; ``sent`` gets how many frames went out before the client let go."""
-
-    def handler(conn: socket.socket) -> None:
-        zmtp_raw.accept_as_router(conn)
-        conn.settimeout(30)
-        n = 0
-        try:
-            while n < max_frames:
-                conn.sendall(frame)
-                n += 1
-        except OSError:
-            pass
-        finally:
-            sent.append(n)
-
-    return RawServer(handler)
-
-
 @pytest.mark.parametrize("frame_bytes,limit", [(16, "8 frames"), (4096, "8 frames"),
                                                (60_000, r"bytes \(max_message_bytes 100000")])
 def test_client_stops_an_endless_multi_frame_reply(frame_bytes, limit):
     sent: list[int] = []
-    with _streaming_router(zmtp_raw.frame(b"\x00" * frame_bytes, more=True), sent) as srv:
+    with zmtp_raw.streaming_router(zmtp_raw.frame(b"\x00" * frame_bytes, more=True), sent) as srv:
         client = ZmqHandshakeClient(30, compat(), TOKEN, max_message_bytes=100_000)
         t0 = time.monotonic()
         with pytest.raises(WireFormatError, match=f"zmq://{HOST}:{srv.port}: reply .*{limit}"):
@@ -147,7 +126,7 @@ def test_client_refuses_a_frame_over_the_limit_before_reading_it():
     sent: list[int] = []
     # one frame that declares 2**40 bytes: nothing of it is read, let alone held
     declared = bytes([0x02]) + struct.pack(">Q", 2**40)
-    with _streaming_router(declared, sent, max_frames=1) as srv:
+    with zmtp_raw.streaming_router(declared, sent, max_frames=1) as srv:
         client = ZmqHandshakeClient(30, compat(), TOKEN, max_message_bytes=100_000)
         with pytest.raises(WireFormatError, match="over the limit of 101024 bytes"):
             client.fetch(HOST, srv.port)

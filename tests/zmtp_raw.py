@@ -60,3 +60,25 @@ def send_until_closed(s: socket.socket, frame_bytes: int, max_frames: int) -> in
         except OSError:  # reset or broken pipe: the server dropped us
             return i
     return max_frames
+
+
+def streaming_router(frame_bytes: bytes, sent: list[int], max_frames: int = 100_000):
+    """A ZMTP ROUTER (a ``tests.helpers.RawServer``) that answers any request with
+    ``frame_bytes`` over and over, never ending the message; ``sent`` gets how many frames
+    went out before the client let go."""
+    from tests.helpers import RawServer
+
+    def handler(conn: socket.socket) -> None:
+        accept_as_router(conn)
+        conn.settimeout(30)
+        n = 0
+        try:
+            while n < max_frames:
+                conn.sendall(frame_bytes)
+                n += 1
+        except OSError:
+            pass
+        finally:
+            sent.append(n)
+
+    return RawServer(handler)
