@@ -253,3 +253,17 @@ def test_each_setting_reaches_the_plugins_server_or_client(
     rotate(files["token_file"], "token-one")
     with plugin_objects(extra) as built:
         assert case.read(built, files) == expect, f"{name}: the vLLM plug-in ({method})"
+
+
+def test_the_budget_is_read_with_the_settings() -> None:
+    """The connection budget comes from the environment the settings are loaded with, and
+    a bad value fails there, in one line (as kvbridge serve's at start)."""
+    from kvbridge.errors import ConfigError
+    from kvbridge.vllm.settings import load_settings
+
+    env = {"KVBRIDGE_MAX_CONNECTIONS": "77", "KVBRIDGE_KEEP_ALIVE_TIMEOUT": "2.5"}
+    budget = load_settings({"side_channel_keep_alive_timeout": 42}, environ=env
+                           ).side_channel.server_budget
+    assert (budget.max_connections, budget.keep_alive_timeout) == (77, 42.0)
+    with pytest.raises(ConfigError, match="KVBRIDGE_HEAD_TIMEOUT"):
+        load_settings({}, environ={"KVBRIDGE_HEAD_TIMEOUT": "-1"})
