@@ -218,6 +218,8 @@ def plugin_objects(extra: dict[str, Any]) -> Iterator[Built]:
         finally:
             if hasattr(client, "close"):
                 client.close()
+            if extra["handshake_method"] == "etcd":
+                server._registry.close()  # built, never started
 
 
 @contextmanager
@@ -233,7 +235,9 @@ def serve_objects(extra: dict[str, Any]) -> Iterator[Built]:
         yield Built(server, client)
     finally:
         client.close()
-        if cfg.handshake_method != "etcd":
+        if cfg.handshake_method == "etcd":
+            server._registry.close()  # built, never started
+        else:
             server.stop()
 
 
@@ -267,3 +271,16 @@ def test_the_budget_is_read_with_the_settings() -> None:
     assert (budget.max_connections, budget.keep_alive_timeout) == (77, 42.0)
     with pytest.raises(ConfigError, match="KVBRIDGE_HEAD_TIMEOUT"):
         load_settings({}, environ={"KVBRIDGE_HEAD_TIMEOUT": "-1"})
+
+
+def test_vllms_zmq_wire_never_drops_a_token() -> None:
+    """vLLM's wire has no place for a token: built with one, it refuses rather than serve or
+    fetch without it (load_settings refuses the setting first)."""
+    from kvbridge.errors import ConfigError
+    from kvbridge.vllm.wire import vllm_wire_client, vllm_wire_server
+
+    with pytest.raises(ConfigError, match="no place for a side-channel token"):
+        vllm_wire_client(1.0, None, "s3cret", 1 << 20)
+    with pytest.raises(ConfigError, match="no place for a side-channel token"):
+        vllm_wire_server({})("127.0.0.1", 0, token="s3cret", observer=None,
+                             budget=ConnectionBudget())
