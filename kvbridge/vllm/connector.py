@@ -44,19 +44,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 )
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
-from zmq import ZMQError
 
-from kvbridge.config import SIDE_CHANNEL_PORT_SETTING
 from kvbridge.errors import ConfigError
-from kvbridge.handshake.authz import Authorizer
 from kvbridge.handshake.base import HandshakeClient, HandshakeServer
-from kvbridge.handshake.http_client import HttpHandshakeClient
-from kvbridge.handshake.http_server import HttpHandshakeServer
+from kvbridge.handshake.factory import make_client, make_server
 from kvbridge.handshake.payloads import FetchedPayloads, PayloadStore, Rank, fetch_payloads
-from kvbridge.net import bind_error
 from kvbridge.vllm.guards import refuse_unguarded
 from kvbridge.vllm.settings import PluginSettings, load_settings
-from kvbridge.vllm.wire import VllmZmqClient, VllmZmqServer
+from kvbridge.vllm.wire import VllmZmqClient, VllmZmqServer, vllm_wire_client, vllm_wire_server
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -178,36 +173,31 @@ class KVBridgeScheduler(NixlPullConnectorScheduler):
 
     def _kvbridge_make_server(self, payloads: dict[Rank, bytes], port: int
                               ) -> tuple[HandshakeServer, Callable[[dict[Rank, bytes]], None]]:
-        """The server for ``handshake_method``, and how to hand it new payloads."""
+        """The server for ``handshake_method``, built as ``kvbridge serve`` builds its own
+        (``kvbridge.handshake.factory``: budget and keep-alive, named tokens, allow-list,
+        audit log, TLS), and how to hand it new payloads."""
         sc = self.kvbridge_settings.side_channel
         pp_size = self.vllm_config.parallel_config.pipeline_parallel_size
-        try:
-            if sc.handshake_method == "zmq":
-                zmq_server = VllmZmqServer(payloads, sc.side_channel_host, port)
-                return zmq_server, zmq_server.set_payloads
-            store = PayloadStore(PAYLOAD_KIND, self.engine_id, self.kvbridge_epoch,
-                                 tp_size=self.transfer_tp_size, pp_size=pp_size,
-                                 describe=describe_payload)
+        store = PayloadStore(PAYLOAD_KIND, self.engine_id, self.kvbridge_epoch,
+                             tp_size=self.transfer_tp_size, pp_size=pp_size,
+                             describe=describe_payload)
+        if sc.handshake_method != "zmq":  # vLLM's wire serves the payloads itself
             store.set_payloads(payloads)
-            if sc.handshake_method == "etcd":
-                from kvbridge.handshake.etcd import EtcdHandshakeServer
+        server = make_server(sc, store, port, zmq=vllm_wire_server(payloads))
+        if isinstance(server, VllmZmqServer):
+            return server, server.set_payloads
+        if sc.handshake_method == "etcd":
+            from kvbridge.handshake.etcd import EtcdHandshakeServer
 
-                etcd_server = EtcdHandshakeServer(store, sc.registry_endpoint, sc.advertised,
-                                                  port)
+            assert isinstance(server, EtcdHandshakeServer)
+            etcd_server = server
 
-                def republish(new: dict[Rank, bytes]) -> None:
-                    store.set_payloads(new)
-                    etcd_server.republish()  # the record in etcd, not only the store
+            def republish(new: dict[Rank, bytes]) -> None:
+                store.set_payloads(new)
+                etcd_server.republish()  # the record in etcd, not only the store
 
-                return etcd_server, republish
-            # Named tokens, the client-certificate allow-list and the audit log, as for
-            # kvbridge serve (docs/security.md).
-            return HttpHandshakeServer(store, sc.side_channel_host, port, token=sc.token,
-                                       tls=sc.tls, authz=Authorizer.from_config(sc)
-                                       ), store.set_payloads
-        except (OSError, ZMQError) as e:
-            raise bind_error(sc.side_channel_host, port, SIDE_CHANNEL_PORT_SETTING,
-                             e) from None
+            return server, republish
+        return server, store.set_payloads
 
 
 class KVBridgeWorker(NixlPullConnectorWorker):
@@ -225,20 +215,10 @@ class KVBridgeWorker(NixlPullConnectorWorker):
     def _kvbridge_transport(self) -> HandshakeClient | VllmZmqClient:
         with self._kvbridge_lock:
             if self._kvbridge_client is None:
-                sc = self.kvbridge_settings.side_channel
-                if sc.handshake_method == "zmq":
-                    self._kvbridge_client = VllmZmqClient(sc.handshake_timeout,
-                                                          sc.max_message_bytes)
-                elif sc.handshake_method == "etcd":
-                    from kvbridge.handshake.etcd import EtcdHandshakeClient
-
-                    self._kvbridge_client = EtcdHandshakeClient(
-                        sc.handshake_timeout, None, sc.token, sc.max_message_bytes,
-                        endpoint=sc.registry_endpoint)
-                else:
-                    self._kvbridge_client = HttpHandshakeClient(
-                        sc.handshake_timeout, None, sc.token, sc.max_message_bytes,
-                        tls=sc.tls)
+                # As kvbridge serve's decode workers: token rotation (token_file), TLS,
+                # max_message_bytes, and connections to known peers kept warm.
+                self._kvbridge_client = make_client(self.kvbridge_settings.side_channel, None,
+                                                    keep_warm=True, zmq=vllm_wire_client)
             return self._kvbridge_client
 
     def _kvbridge_fetch(self, host: str, port: int, ranks: list[Rank],

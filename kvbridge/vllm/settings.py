@@ -16,7 +16,7 @@ from typing import Any
 
 from kvbridge.config import SideChannelConfig
 from kvbridge.errors import ConfigError
-from kvbridge.settings import SETTINGS
+from kvbridge.settings import SETTINGS, ConnectionBudget
 from kvbridge.vllm.registration import (
     REGISTRATION_KEYS,
     RegistrationSettings,
@@ -79,9 +79,12 @@ def load_settings(extra: Mapping[str, Any] | None, dp_index: int = 0,
         raise ConfigError(f"kvbridge.vllm: unknown kv_connector_extra_config key(s) {unknown}: "
                           f"use the setting names of docs/configuration.md")
     flags = {k: v for k, v in extra.items() if k in OUR_KEYS}
+    environ = os.environ if environ is None else environ
     try:
-        cfg = SideChannelConfig.load(flags, os.environ if environ is None else environ,
-                                     extra_label)
+        # The connection budget from the environment (no extra-config keys), read now as
+        # kvbridge serve reads it at start: a bad value fails here, in one line.
+        cfg = SideChannelConfig.load(flags, environ, extra_label,
+                                     budget=ConnectionBudget.load(None, environ))
     except ConfigError as e:
         raise ConfigError(f"kvbridge.vllm: {e}") from None
     if cfg.handshake_method == "zmq":

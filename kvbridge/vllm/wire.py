@@ -14,6 +14,10 @@ malformed request). A rank it does not hold is answered with an empty payload, w
 stock client fails on at once rather than after its 5 s timeout. ``VllmZmqClient`` asks
 for every rank on one connection within one deadline, each reply capped in frames and bytes
 as it arrives (its own ZMTP, ``kvbridge.handshake.zmtp_client``).
+
+``vllm_wire_server`` and ``vllm_wire_client`` are the plug-in's ``zmq=`` for
+``kvbridge.handshake.factory``: the settings (budget, keep-alive, ``handshake_timeout``,
+``max_message_bytes``) reach them there, as they reach ``kvbridge serve``'s zmq method.
 """
 
 from __future__ import annotations
@@ -25,13 +29,15 @@ import msgspec
 
 from kvbridge.config import SIDE_CHANNEL_PORT_SETTING
 from kvbridge.errors import (
+    ConfigError,
     HandshakeTimeout,
     PeerMismatch,
     RetryableHandshakeError,
     WireFormatError,
 )
 from kvbridge.guard import ConnectionBudget
-from kvbridge.handshake.base import MAX_REQUEST_BYTES, HandshakeServer
+from kvbridge.handshake.base import MAX_REQUEST_BYTES, HandshakeServer, Observer
+from kvbridge.handshake.factory import ZmqServerMaker
 from kvbridge.handshake.payloads import FetchedPayloads, Rank
 from kvbridge.handshake.zmtp import ZmtpListener
 from kvbridge.handshake.zmtp_client import ZmtpDealer
@@ -170,6 +176,28 @@ class VllmZmqClient:
                                   "number")
         clock.sample(start, recv, remote)
         return payload
+
+
+def _no_token(token: str | None) -> None:
+    if token:  # load_settings refuses it first; never let a token be dropped silently
+        raise ConfigError("kvbridge.vllm: the zmq method speaks vLLM's own wire, which has "
+                          "no place for a side-channel token: use handshake_method 'http'")
+
+
+def vllm_wire_server(payloads: dict[Rank, bytes]) -> ZmqServerMaker:
+    """The zmq method's server for the factory: ``VllmZmqServer`` serving ``payloads``."""
+    def make(host: str, port: int, *, token: str | None, observer: Observer | None,
+             budget: ConnectionBudget) -> HandshakeServer:
+        _no_token(token)
+        return VllmZmqServer(payloads, host, port, budget=budget)
+    return make
+
+
+def vllm_wire_client(timeout: float, expected: object, token: str | None,
+                     max_message_bytes: int) -> VllmZmqClient:
+    """The zmq method's client for the factory (``expected``: vLLM checks its payloads)."""
+    _no_token(token)
+    return VllmZmqClient(timeout, max_message_bytes)
 
 
 class _Clock:
