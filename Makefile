@@ -45,7 +45,7 @@ demo: venv
 # total wall time at the end.
 test: venv tools
 	@start=$$(date +%s); echo "== make test: started $$(date -u '+%F %T') UTC"; \
-	$(VENV)/bin/ruff check kvbridge tests && $(PY) -m pytest -x -q --durations=25; rc=$$?; \
+	$(VENV)/bin/ruff check kvbridge tests && $(PY) -m pytest -q --durations=25; rc=$$?; \
 	echo "== make test: $$(( $$(date +%s) - start )) s wall time (ruff and pytest), exit $$rc"; \
 	exit $$rc
 

@@ -146,6 +146,38 @@ def test_keep_warm_sends_healthz_on_the_kept_connection(made):
     assert len(paths) == n  # closed: no keep-warm request after close
 
 
+def test_a_fetch_during_a_keep_warm_request_waits_for_its_connection(made):
+    """A fetch that finds the peer's only connection out on a keep-warm request (here a
+    slow one) waits for it to come back rather than paying a new connect."""
+    body = encode_envelope(compat(), [rank_meta(0)])
+    accepted: list[socket.socket] = []
+    pinged = threading.Event()
+
+    def handler(conn: socket.socket) -> None:
+        accepted.append(conn)
+        while head := read_request(conn):
+            if head.split(b" ", 2)[1].decode() == KEEP_WARM_PATH:
+                pinged.set()
+                time.sleep(0.2)  # a slow peer, not synchronisation: the fetch waits for it
+                answer = b'{"status":"ok"}'
+            else:
+                answer = body
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(answer)
+                         + answer)
+
+    with RawServer(handler) as srv:
+        client = _client(made, None)
+        assert client.fetch(HOST, srv.port, 0) == [rank_meta(0)]
+        warmed: list[bool] = []
+        pinger = threading.Thread(target=lambda: warmed.append(client.warm(HOST, srv.port)))
+        pinger.start()
+        assert pinged.wait(10)
+        assert client.fetch(HOST, srv.port, 0) == [rank_meta(0)]
+        pinger.join()
+        assert warmed == [True]
+        assert len(accepted) == 1
+
+
 def _tls_server_context(certs: Path) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(certs / "prefill.pem", certs / "prefill.key")

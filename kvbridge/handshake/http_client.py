@@ -50,6 +50,10 @@ MAX_IDLE_PER_PEER = 4
 MAX_WARM_PEERS = 256
 # What a keep-warm request asks for: the liveness route (no token, no metadata read).
 KEEP_WARM_PATH = "/healthz"
+# The longest a fetch waits for the connection a keep-warm request is using (it answers in
+# well under a millisecond) before it opens a new one: a fetch should not pay a connect
+# because a ping happened to hold the only warm connection.
+WARM_WAIT_S = 0.5
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,8 @@ class HttpHandshakeClient(HandshakeClient):
         self._tls = tls_sessions(tls) if self.scheme == "https" else None
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._lock = threading.Lock()
+        self._returned = threading.Condition(self._lock)  # a connection went back idle
+        self._warming: set[tuple[str, int]] = set()  # peers with a keep-warm request out
         self._headers = {"accept": MSGPACK}
         if self.token:
             self._headers["authorization"] = f"Bearer {self.token}"
@@ -110,6 +116,8 @@ class HttpHandshakeClient(HandshakeClient):
         /healthz`` on the idle keep-alive connection, or on a new one (resuming the peer's
         TLS session when there is one). Bounded by the client's timeout, like a fetch.
         True when the peer answered; False (never an exception) otherwise."""
+        with self._lock:
+            self._warming.add((host, port))
         try:
             reply = self._request(host, port, None, time.monotonic() + self.timeout,
                                   path=KEEP_WARM_PATH)
@@ -118,6 +126,10 @@ class HttpHandshakeClient(HandshakeClient):
             with self._lock:
                 self._known.pop((host, port), None)
             return False
+        finally:
+            with self._lock:
+                self._warming.discard((host, port))
+                self._returned.notify_all()
         return reply.status == 200
 
     def close(self) -> None:
@@ -170,7 +182,8 @@ class HttpHandshakeClient(HandshakeClient):
         current: list[_Connection] = []
         watchdog = WATCHDOG.arm(deadline, lambda: current and current[-1].cut())
         try:
-            conn = self._take(host, port)
+            conn = self._take(host, port, wait_until=None if path == KEEP_WARM_PATH
+                              else min(deadline, time.monotonic() + WARM_WAIT_S))
             reused = conn is not None
             while True:
                 if conn is None:
@@ -209,21 +222,28 @@ class HttpHandshakeClient(HandshakeClient):
             return Reply(status, error=_error_text(body))
         return Reply(200, body)
 
-    def _take(self, host: str, port: int) -> _Connection | None:
+    def _take(self, host: str, port: int, wait_until: float | None) -> _Connection | None:
+        """An idle connection to the peer, or None. With ``wait_until``, while the peer's
+        only connection is out on a keep-warm request, wait (until then) for it to return."""
         with self._lock:
-            conns = self._idle.get((host, port))
-            while conns:
-                conn = conns.pop()
-                if conn.usable():
-                    return conn
-                conn.close()
-        return None
+            while True:
+                conns = self._idle.get((host, port))
+                while conns:
+                    conn = conns.pop()
+                    if conn.usable():
+                        return conn
+                    conn.close()
+                left = None if wait_until is None else wait_until - time.monotonic()
+                if left is None or left <= 0 or (host, port) not in self._warming:
+                    return None
+                self._returned.wait(left)
 
     def _give(self, host: str, port: int, conn: _Connection) -> None:
         with self._lock:
             conns = self._idle.setdefault((host, port), [])
             if len(conns) < MAX_IDLE_PER_PEER:
                 conns.append(conn)
+                self._returned.notify_all()
                 return
         conn.close()
 
