@@ -177,10 +177,20 @@ class VllmServer:
             out[name] = out.get(name, 0.0) + value
         return out
 
+    def pause(self) -> None:
+        """SIGSTOP the whole process group (API server, engine core, workers): a paused
+        vLLM CPU server spins no core, so several can wait on one small machine."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the process group (after ``pause``)."""
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the process group, SIGKILL it after ``timeout``."""
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGCONT)  # a paused group cannot exit
                 os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
