@@ -345,6 +345,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(setups) - set(SETUPS))
     if unknown:
         raise SystemExit(f"kvbridge bench vllm: unknown setups {unknown}: use {SETUPS}")
+    if args.rounds < 1:
+        raise SystemExit(f"kvbridge bench vllm: --rounds must be at least 1, got {args.rounds}")
     model = _model(args)
     out: dict[str, Any] = {"config": {"setups": setups, "requests": args.requests,
                                       "throughput_requests": args.throughput_requests,
