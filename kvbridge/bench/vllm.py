@@ -47,8 +47,8 @@ from typing import Any
 import httpx
 
 from kvbridge.bench.common import apply_quick, load_average, progress, pyplot
-from kvbridge.bench.load import run_closed_loop, stream_completion
 from kvbridge.bench.report import goal_lines, percentiles
+from kvbridge.bench.vllm_probes import closed_loop, fetch_http, fetch_zmq
 from kvbridge.net import free_port
 from kvbridge.testing.certs import write_certs
 from kvbridge.vllm.launch import VllmServer
@@ -58,11 +58,8 @@ START_TIMEOUT = 1200.0  # a pair of vLLM servers on a busy 2-core machine
 COLD_HTTPS_GOAL = 1.5  # cold https handshake <= 1.5x native zmq
 TTFT_GOAL = 1.02  # plug-in P/D TTFT p50 <= 1.02x native
 THROUGHPUT_GOAL = 0.98  # plug-in tokens/s at 8 in flight >= 0.98x native
-PROMPT = ("Explain in a few sentences why a decode instance reads the prompt's KV cache from "
-          "a prefill instance instead of computing it again. Request {i}.")
 QUICK = {"requests": 3, "throughput_requests": 8, "fetches": 20, "output_tokens": 4,
          "rounds": 1}
-GET_META_MSG = b"get_meta_msg"  # vLLM 0.32's zmq handshake request tag
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,94 +82,6 @@ def _model(args: argparse.Namespace) -> str:
     from kvbridge.model.models import prepare
 
     return str(prepare("smollm2-135m-instruct"))
-
-
-# --- one P/D request with vLLM's protocol -------------------------------------------
-
-
-def _closed_loop(prefill: str, decode: str, model: str, concurrency: int, n: int,
-                 max_tokens: int, seed: int, raw: bool = False) -> dict[str, Any]:
-    async def send(client: httpx.AsyncClient, i: int) -> dict[str, Any]:
-        body = {"model": model, "prompt": PROMPT.format(i=seed + i), "temperature": 0}
-        t0 = time.perf_counter()
-        r = await client.post(prefill + "/v1/completions", json={
-            **body, "max_tokens": 1, "stream": False,
-            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                   "remote_engine_id": None, "remote_block_ids": None,
-                                   "remote_host": None, "remote_port": None}})
-        if r.status_code != 200:
-            raise RuntimeError(f"prefill {r.status_code}: {r.text[:200]}")
-        got = await stream_completion(client, decode + "/v1/completions", {
-            **body, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "kv_transfer_params": r.json().get("kv_transfer_params")})
-        return {"ttft": got["first"] - t0, "latency": got["last"] - t0,
-                "tokens": got["chunks"]}
-
-    loop = run_closed_loop(concurrency, n, send)
-    results, wall = loop.results, loop.seconds
-    tokens = sum(r["tokens"] for r in results)
-    out = {"concurrency": concurrency, "requests": len(results), "errors": len(loop.errors),
-           "error_samples": loop.errors[:3], "tokens_per_s": tokens / wall if wall else 0.0,
-           "ttft_ms": percentiles([r["ttft"] for r in results], (50, 99))}
-    if raw:
-        out.update(ttft_s=[r["ttft"] for r in results], tokens=tokens, seconds=wall)
-    return out
-
-
-# --- the side channel, fetched from outside -----------------------------------------
-
-
-def _fetch_zmq(port: int, n: int, warm: bool) -> list[float]:
-    import msgspec
-    import zmq
-
-    ctx = zmq.Context()
-    req = msgspec.msgpack.encode((GET_META_MSG, 0, 0))
-    samples: list[float] = []
-    sock = None
-    try:
-        for _ in range(n):
-            t0 = time.perf_counter()
-            if sock is None:
-                sock = ctx.socket(zmq.REQ)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.RCVTIMEO, 10_000)
-                sock.connect(f"tcp://127.0.0.1:{port}")
-            sock.send(req)
-            frames = sock.recv_multipart()
-            samples.append(time.perf_counter() - t0)
-            if not frames or not frames[0]:
-                raise RuntimeError("empty zmq handshake reply")
-            if not warm:
-                sock.close()
-                sock = None
-    finally:
-        if sock is not None:
-            sock.close()
-        ctx.term()
-    return samples
-
-
-def _fetch_http(url: str, n: int, warm: bool, verify: Any, token: str) -> list[float]:
-    headers = {"authorization": f"Bearer {token}"}
-    samples: list[float] = []
-    client = None
-    try:
-        for _ in range(n):
-            t0 = time.perf_counter()
-            if client is None:
-                client = httpx.Client(verify=verify, trust_env=False, timeout=10)
-            r = client.get(url, headers=headers)
-            samples.append(time.perf_counter() - t0)
-            if r.status_code != 200:
-                raise RuntimeError(f"side channel {url}: {r.status_code} {r.text[:200]}")
-            if not warm:
-                client.close()
-                client = None
-    finally:
-        if client is not None:
-            client.close()
-    return samples
 
 
 # --- one setup ------------------------------------------------------------------------
@@ -266,16 +175,16 @@ def _warm_up(pair: _Pair, args: argparse.Namespace) -> None:
     """The first P/D request (it pays the decode's handshake), a few untimed requests at 1
     and at 8 in flight (so every setup meets its timed rounds equally warm), and the
     handshake fetches from outside."""
-    first = _closed_loop(pair.prefill, pair.decode, pair.model_name, 1, 1,
+    first = closed_loop(pair.prefill, pair.decode, pair.model_name, 1, 1,
                          args.output_tokens, 0)
     if first["requests"] != 1:
         raise RuntimeError(f"{pair.setup}: first P/D request failed: {first['error_samples']}")
-    warm_1 = _closed_loop(pair.prefill, pair.decode, pair.model_name, 1, 3,
+    warm_1 = closed_loop(pair.prefill, pair.decode, pair.model_name, 1, 3,
                           args.output_tokens, 10)
-    _closed_loop(pair.prefill, pair.decode, pair.model_name, 8, 8, args.output_tokens, 20)
+    closed_loop(pair.prefill, pair.decode, pair.model_name, 8, 8, args.output_tokens, 20)
     if pair.setup in ("native", "zmq"):
-        cold = _fetch_zmq(pair.side_port, args.fetches, warm=False)
-        warm = _fetch_zmq(pair.side_port, args.fetches, warm=True)
+        cold = fetch_zmq(pair.side_port, args.fetches, warm=False)
+        warm = fetch_zmq(pair.side_port, args.fetches, warm=True)
     else:
         scheme = "https" if pair.setup == "https" else "http"
         url = f"{scheme}://127.0.0.1:{pair.side_port}/v1/kv/handshake/0"
@@ -284,8 +193,8 @@ def _warm_up(pair: _Pair, args: argparse.Namespace) -> None:
             import ssl
 
             verify = ssl.create_default_context(cafile=str(pair.certs / "ca.pem"))
-        cold = _fetch_http(url, args.fetches, False, verify, pair.token)
-        warm = _fetch_http(url, args.fetches, True, verify, pair.token)
+        cold = fetch_http(url, args.fetches, False, verify, pair.token)
+        warm = fetch_http(url, args.fetches, True, verify, pair.token)
     pair.warm_up = {
         "first_ttft_ms": first["ttft_ms"]["p50"],
         "first_request_extra_ms": first["ttft_ms"]["p50"] - warm_1["ttft_ms"]["p50"],
@@ -299,9 +208,9 @@ def _round(pair: _Pair, args: argparse.Namespace, r: int, rounds: int) -> float:
     same prompts for every setup in a round); the round's tokens/s at 8 in flight."""
     n1 = max(1, -(-args.requests // rounds))
     n8 = max(8, -(-args.throughput_requests // rounds))
-    one = _closed_loop(pair.prefill, pair.decode, pair.model_name, 1, n1,
+    one = closed_loop(pair.prefill, pair.decode, pair.model_name, 1, n1,
                        args.output_tokens, 100 + 1000 * r, raw=True)
-    eight = _closed_loop(pair.prefill, pair.decode, pair.model_name, 8, n8,
+    eight = closed_loop(pair.prefill, pair.decode, pair.model_name, 8, n8,
                          args.output_tokens, 500 + 1000 * r, raw=True)
     pair.ttft += one["ttft_s"]
     pair.tokens_8 += eight["tokens"]

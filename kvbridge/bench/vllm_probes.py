@@ -1,0 +1,105 @@
+"""What ``kvbridge bench vllm`` measures against one pair: P/D requests sent with vLLM's
+protocol (a closed loop), and the prefill's side channel fetched from outside (vLLM's zmq
+wire or the plug-in's http), cold or over one kept connection."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from kvbridge.bench.load import run_closed_loop, stream_completion
+from kvbridge.bench.report import percentiles
+
+PROMPT = ("Explain in a few sentences why a decode instance reads the prompt's KV cache from "
+          "a prefill instance instead of computing it again. Request {i}.")
+GET_META_MSG = b"get_meta_msg"  # vLLM 0.32's zmq handshake request tag
+
+
+# --- one P/D request with vLLM's protocol -------------------------------------------
+
+
+def closed_loop(prefill: str, decode: str, model: str, concurrency: int, n: int,
+                max_tokens: int, seed: int, raw: bool = False) -> dict[str, Any]:
+    async def send(client: httpx.AsyncClient, i: int) -> dict[str, Any]:
+        body = {"model": model, "prompt": PROMPT.format(i=seed + i), "temperature": 0}
+        t0 = time.perf_counter()
+        r = await client.post(prefill + "/v1/completions", json={
+            **body, "max_tokens": 1, "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                   "remote_engine_id": None, "remote_block_ids": None,
+                                   "remote_host": None, "remote_port": None}})
+        if r.status_code != 200:
+            raise RuntimeError(f"prefill {r.status_code}: {r.text[:200]}")
+        got = await stream_completion(client, decode + "/v1/completions", {
+            **body, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "kv_transfer_params": r.json().get("kv_transfer_params")})
+        return {"ttft": got["first"] - t0, "latency": got["last"] - t0,
+                "tokens": got["chunks"]}
+
+    loop = run_closed_loop(concurrency, n, send)
+    results, wall = loop.results, loop.seconds
+    tokens = sum(r["tokens"] for r in results)
+    out = {"concurrency": concurrency, "requests": len(results), "errors": len(loop.errors),
+           "error_samples": loop.errors[:3], "tokens_per_s": tokens / wall if wall else 0.0,
+           "ttft_ms": percentiles([r["ttft"] for r in results], (50, 99))}
+    if raw:
+        out.update(ttft_s=[r["ttft"] for r in results], tokens=tokens, seconds=wall)
+    return out
+
+
+# --- the side channel, fetched from outside -----------------------------------------
+
+
+def fetch_zmq(port: int, n: int, warm: bool) -> list[float]:
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context()
+    req = msgspec.msgpack.encode((GET_META_MSG, 0, 0))
+    samples: list[float] = []
+    sock = None
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            if sock is None:
+                sock = ctx.socket(zmq.REQ)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVTIMEO, 10_000)
+                sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send(req)
+            frames = sock.recv_multipart()
+            samples.append(time.perf_counter() - t0)
+            if not frames or not frames[0]:
+                raise RuntimeError("empty zmq handshake reply")
+            if not warm:
+                sock.close()
+                sock = None
+    finally:
+        if sock is not None:
+            sock.close()
+        ctx.term()
+    return samples
+
+
+def fetch_http(url: str, n: int, warm: bool, verify: Any, token: str) -> list[float]:
+    headers = {"authorization": f"Bearer {token}"}
+    samples: list[float] = []
+    client = None
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            if client is None:
+                client = httpx.Client(verify=verify, trust_env=False, timeout=10)
+            r = client.get(url, headers=headers)
+            samples.append(time.perf_counter() - t0)
+            if r.status_code != 200:
+                raise RuntimeError(f"side channel {url}: {r.status_code} {r.text[:200]}")
+            if not warm:
+                client.close()
+                client = None
+    finally:
+        if client is not None:
+            client.close()
+    return samples
