@@ -163,7 +163,7 @@ def test_proxy_help_and_the_proxy_run_without_extras():
 
 
 @pytest.mark.parametrize(("args", "extra"), [
-    (["serve", "--port", "0"], "engine"),
+    (["serve", "--port", "0", "--side-channel-port", "0"], "engine"),
     (["demo"], "demo"),
     (["bench", "sidechannel", "--quick"], "bench"),
     (["proxy", "--registry", "etcd://127.0.0.1:2379", "--port", "0"], "fleet"),

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-clients-") as t:
         port = free_port()
         engine = KVBridgeProcess("clients-engine", Path(t), "serve", "--role", "both",
-                                 "--port", str(port))
+                                 "--port", str(port), "--side-channel-port", "0")
         try:
             url = f"http://{HOST}:{port}"
             engine.wait_healthy(url + "/health", time.monotonic() + 180)
