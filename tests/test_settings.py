@@ -16,7 +16,7 @@ from kvbridge.config import SideChannelConfig
 from kvbridge.errors import ConfigError
 from kvbridge.settings import SETTINGS, ConnectionBudget, is_wildcard
 from kvbridge.vllm.registration import REGISTRATION_KEYS
-from kvbridge.vllm.settings import OUR_KEYS, load_settings
+from kvbridge.vllm.settings import OUR_KEYS, PLUGIN_KEYS, load_settings
 from tests.conftest import ROOT
 
 # -- one declaration, several users ------------------------------------------------------
@@ -36,7 +36,7 @@ def test_budget_is_the_budget_group():
 
 
 def test_vllm_extra_config_keys_are_the_trees():
-    assert OUR_KEYS | REGISTRATION_KEYS == {s.name for s in SETTINGS if s.extra_config}
+    assert OUR_KEYS | PLUGIN_KEYS | REGISTRATION_KEYS == {s.name for s in SETTINGS if s.extra_config}
 
 
 def test_every_env_name_belongs_to_one_setting():
@@ -70,7 +70,10 @@ def _command(s) -> list[str]:
     return ["serve", "--role", "prefill"]
 
 
-BAD_ENV = [(s, env) for s in SETTINGS for env in s.env_names if _bad(s) is not None]
+# The plug-in's own settings are read by vLLM, not by a kvbridge command (tested below).
+BAD_ENV = [(s, env) for s in SETTINGS for env in s.env_names
+           if _bad(s) is not None and s.group != "vllm"]
+PLUGIN_ENV = [(s, env) for s in SETTINGS.group("vllm") for env in s.env_names]
 
 
 @pytest.mark.parametrize(("setting", "env"), BAD_ENV,
@@ -81,6 +84,14 @@ def test_a_bad_environment_value_is_one_line(setting, env, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert f"{env}='x!'" in err[0] and "configuration error" in err[0], err[0]
+
+
+@pytest.mark.parametrize(("setting", "env"), PLUGIN_ENV, ids=[env for _, env in PLUGIN_ENV])
+def test_a_bad_plugin_environment_value_is_one_line(setting, env):
+    with pytest.raises(ConfigError) as e:
+        load_settings({}, environ={env: "x!"})
+    assert "\n" not in str(e.value) and f"{env}='x!'" in str(e.value), str(e.value)
+    assert load_settings({}, environ={env: setting.default}) is not None
 
 
 FLAGGED = [s for s in SETTINGS if s.flag and _bad(s) is not None

@@ -209,6 +209,13 @@ SETTINGS = Tree([
             flag="--kv-lease-seconds", low=0.0, low_open=True),
     Setting("transfer_timeout", float, 30.0, "Decode: seconds a started READ may take.",
             "serve", flag="--transfer-timeout", low=0.0, low_open=True),
+    Setting("read_validation", str, "auto",
+            "vLLM plug-in: every KV READ checked against block tags (`auto`: a peer with "
+            "tags is validated, one without, such as a stock vLLM, is read unvalidated and "
+            "counted; `require`: a READ from a peer without tags fails, as a load failure; "
+            "`off`: no tags kept or read). See [vllm.md](vllm.md) §6.", "vllm",
+            env=("KVBRIDGE_READ_VALIDATION",), choices=("auto", "require", "off"),
+            extra_config=True),
     Setting("registry_ttl", int, 10,
             "Seconds the registration (an etcd lease) outlives a crashed instance.", "serve",
             env=("KVBRIDGE_REGISTRY_TTL",), flag="--registry-ttl", low=1, extra_config=True),

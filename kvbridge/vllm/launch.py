@@ -47,11 +47,15 @@ DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
 
 
 def kv_transfer_config(connector: Connector, extra_config: Mapping[str, Any] | None = None,
-                       kv_buffer_device: str = "cpu") -> str | None:
-    """The ``--kv-transfer-config`` JSON for the plug-in or vLLM's stock NixlConnector."""
+                       kv_buffer_device: str = "cpu",
+                       kv_load_failure_policy: str | None = None) -> str | None:
+    """The ``--kv-transfer-config`` JSON for the plug-in or vLLM's stock NixlConnector
+    (``kv_load_failure_policy``: vLLM's, ``recompute`` or ``fail``; None: vLLM's default)."""
     if connector is None:
         return None
     cfg: dict[str, Any] = {"kv_role": "kv_both", "kv_buffer_device": kv_buffer_device}
+    if kv_load_failure_policy is not None:
+        cfg["kv_load_failure_policy"] = kv_load_failure_policy
     if connector == "kvbridge":
         cfg.update(kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.vllm")
     else:
@@ -84,7 +88,8 @@ class VllmServer:
               extra_config: Mapping[str, Any] | None = None,
               env: Mapping[str, str] | None = None, log_dir: str | Path = ".",
               max_model_len: int = 2048, dtype: str = "float32", enforce_eager: bool = True,
-              tensor_parallel_size: int = 1, extra_args: list[str] | None = None) -> VllmServer:
+              tensor_parallel_size: int = 1, extra_args: list[str] | None = None,
+              kv_load_failure_policy: str | None = None) -> VllmServer:
         """Start the server (not waiting for it). ``core``: ``VLLM_CPU_OMP_THREADS_BIND``
         (give each server its own core on a small machine). ``side_channel_port``: the
         plug-in's ``side_channel_port`` (unless in ``extra_config``) and stock vLLM's
@@ -105,7 +110,7 @@ class VllmServer:
             argv.append("--enforce-eager")
         if tensor_parallel_size > 1:
             argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
-        ktc = kv_transfer_config(connector, extra)
+        ktc = kv_transfer_config(connector, extra, kv_load_failure_policy=kv_load_failure_policy)
         if ktc is not None:
             argv += ["--kv-transfer-config", ktc]
         argv += extra_args or []

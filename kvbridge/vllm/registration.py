@@ -20,9 +20,9 @@ from kvbridge.registry.record import InstanceRecord
 from kvbridge.settings import SETTINGS, Setting
 
 # kv_connector_extra_config keys of the registration (beside the side channel's settings):
-# the tree's other extra-config keys.
+# the tree's other extra-config keys (not the side channel's, not the plug-in's own).
 REGISTRATION_KEYS = frozenset(s.name for s in SETTINGS if s.extra_config
-                              and s.group != "side_channel")
+                              and s.group not in ("side_channel", "vllm"))
 DEFAULT_TTL: int = SETTINGS["registry_ttl"].default
 
 

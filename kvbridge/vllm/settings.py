@@ -37,7 +37,8 @@ VLLM_NIXL_KEYS = frozenset({
     "push_registration_timeout",
 })
 OUR_KEYS = frozenset(s.name for s in SETTINGS.group("side_channel"))
-assert {s.name for s in SETTINGS if s.extra_config} == OUR_KEYS | REGISTRATION_KEYS
+PLUGIN_KEYS = frozenset(s.name for s in SETTINGS.group("vllm"))  # the plug-in's own
+assert {s.name for s in SETTINGS if s.extra_config} == OUR_KEYS | PLUGIN_KEYS | REGISTRATION_KEYS
 
 
 def check_vllm_version(version: str) -> None:
@@ -59,6 +60,7 @@ class PluginSettings:
 
     side_channel: SideChannelConfig
     registration: RegistrationSettings | None = None
+    read_validation: str = SETTINGS["read_validation"].default  # kvbridge.vllm.validation
 
     @property
     def method(self) -> str:
@@ -74,7 +76,7 @@ def load_settings(extra: Mapping[str, Any] | None, dp_index: int = 0,
     """
     extra = dict(extra or {})
     unknown = sorted(k for k in extra
-                     if k not in OUR_KEYS | VLLM_NIXL_KEYS | REGISTRATION_KEYS)
+                     if k not in OUR_KEYS | PLUGIN_KEYS | VLLM_NIXL_KEYS | REGISTRATION_KEYS)
     if unknown:
         raise ConfigError(f"kvbridge.vllm: unknown kv_connector_extra_config key(s) {unknown}: "
                           f"use the setting names of docs/configuration.md")
@@ -101,4 +103,8 @@ def load_settings(extra: Mapping[str, Any] | None, dp_index: int = 0,
             raise ConfigError(f"kvbridge.vllm: side channel port {cfg.side_channel_port} + "
                               f"data-parallel index {dp_index} is out of range")
         cfg = replace(cfg, side_channel_port=port)
-    return PluginSettings(cfg, registration_settings(extra, cfg))
+    try:
+        own = SETTINGS.resolve(sorted(PLUGIN_KEYS), extra, environ, extra_label)
+    except ConfigError as e:
+        raise ConfigError(f"kvbridge.vllm: {e}") from None
+    return PluginSettings(cfg, registration_settings(extra, cfg), own["read_validation"])
