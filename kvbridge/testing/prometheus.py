@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["metric_total", "parse_samples", "read_samples"]
+__all__ = ["labelled_total", "metric_total", "parse_samples", "read_samples"]
 
 
 def parse_samples(text: str) -> dict[str, float]:
@@ -29,6 +29,13 @@ def parse_samples(text: str) -> dict[str, float]:
 def metric_total(samples: dict[str, float], name: str) -> float:
     """Sum of every sample of ``name`` (all label sets; or one, written ``name{...}``)."""
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def labelled_total(samples: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include every one of ``labels``."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in samples.items() if k.startswith(name + "{")
+               and all(w in k[len(name) + 1:-1].split(",") for w in want))
 
 
 def read_samples(client: Any, url: str, timeout: float = 10) -> dict[str, float]:

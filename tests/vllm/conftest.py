@@ -6,8 +6,10 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from kvbridge.testing.prometheus import labelled_total, parse_samples
 from kvbridge.vllm.launch import VllmServer, completion
 
 # Over 16 tokens: the decode reads whole KV blocks, not only a partial one.
@@ -44,6 +46,12 @@ def running(*servers: VllmServer) -> Iterator[tuple[VllmServer, ...]]:
 def nixl_bytes(server: VllmServer) -> float:
     """Bytes the server's NIXL READs moved so far (vLLM's own metric)."""
     return server.metrics().get("vllm:nixl_bytes_transferred_sum", 0.0)
+
+
+def kv_reads(server: VllmServer, result: str) -> float:
+    """The plug-in's ``vllm:kvbridge_kv_reads_total{result=...}`` (kvbridge.vllm.validation)."""
+    samples = parse_samples(httpx.get(f"{server.url}/metrics", timeout=60).text)
+    return labelled_total(samples, "vllm:kvbridge_kv_reads_total", result=result)
 
 
 def answer(server: VllmServer, prompt: str = PROMPT) -> str:

@@ -10,12 +10,14 @@ import pytest
 import zmq
 
 from kvbridge.vllm.launch import VllmServer, decode, prefill
+from tests.helpers import wait_until
 from tests.vllm.conftest import (
     MAX_TOKENS,
     NO_PREFIX_CACHE,
     PROMPT,
     REQUEST_TIMEOUT,
     answer,
+    kv_reads,
     nixl_bytes,
     running,
 )
@@ -67,10 +69,15 @@ def test_pd_over_vllms_own_zmq_wire(servers, expected, pair):
     # A stock decode waits a fixed 5 s for the handshake reply, and a stock prefill's listener
     # answers when its engine core lets it: on a starved machine either can miss (vLLM then
     # fails the request, as it does without the plug-in): one more request then.
+    validated = kv_reads(d, "validated") if pair[1] != "stock" else 0.0
     r, read = _pd(p, d, attempts=2 if "stock" in pair else 1)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == expected
     assert read > 0  # read over NIXL, not recomputed
+    if pair == ("plugin-a", "plugin-b"):  # block tags on both sides: the READ is validated
+        wait_until(lambda: kv_reads(d, "validated") > validated, 30, "a validated READ")
+    elif pair == ("stock", "plugin-a"):  # a stock prefill has none: read as before, said once
+        assert "has no block tags (a stock vLLM?)" in d.log_text()
 
 
 def test_plugin_listener_survives_what_kills_vllms_own(servers, expected):

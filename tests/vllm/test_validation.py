@@ -1,0 +1,109 @@
+"""No silently wrong answer inside vLLM: the plug-in validates every READ (block tags,
+kvbridge.vllm.validation) in real vLLM.
+
+Two plug-in servers for the module: a prefill with a small KV cache (24 blocks of 32 tokens,
+so released blocks are soon reused) and a 6 s lease, and a decode whose
+``kv_load_failure_policy`` is ``recompute``. Each test hands the decode ``kv_transfer_params``
+that point at the wrong KV (blocks released and reused, reordered block ids, another
+prompt's blocks): stock vLLM answers those with a 200 and another prompt's text; here the
+answer equals the decode's own (computed without any transfer), and
+``vllm:kvbridge_kv_reads{result="stale"}`` counts the READ."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvbridge.vllm.launch import VllmServer, completion, decode, prefill
+from tests.helpers import wait_until
+from tests.vllm.conftest import REQUEST_TIMEOUT, answer, kv_reads, nixl_bytes, running
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+SMALL = ["--block-size", "32", "--num-gpu-blocks-override", "24", "--no-enable-prefix-caching"]
+MAX_LEN = 640
+LEASE_S = 6
+TOKENS = 12
+# 35 tokens: two blocks of 32, and an answer that is real text (not an end of sequence).
+A = ("Question: What is the capital of France, and which river flows through it? Name the "
+     "river and one famous bridge that crosses it. Answer in one sentence.\nAnswer:")
+
+
+@pytest.fixture(scope="module")
+def servers(model: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[VllmServer, VllmServer]]:
+    d = tmp_path_factory.mktemp("vllm-validation")
+    p = VllmServer.start(model, name="prefill", core=0, log_dir=d, max_model_len=MAX_LEN,
+                         extra_config={"handshake_method": "http",
+                                       "kv_lease_duration": LEASE_S},
+                         extra_args=SMALL)
+    dec = VllmServer.start(model, name="decode", core=1, log_dir=d, max_model_len=MAX_LEN,
+                           extra_config={"handshake_method": "http", "side_channel_port": 0},
+                           extra_args=SMALL, kv_load_failure_policy="recompute")
+    with running(p, dec):
+        yield p, dec
+
+
+def num_tokens(server: VllmServer, prompt: str) -> int:
+    r = httpx.post(f"{server.url}/tokenize", json={"model": "model", "prompt": prompt},
+                   timeout=60)
+    r.raise_for_status()
+    return int(r.json()["count"])
+
+
+def _decoded(d: VllmServer, prompt: str, params: dict) -> str:
+    r = decode(d.url, prompt, params, max_tokens=TOKENS, timeout=REQUEST_TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _stale_read(d: VllmServer, prompt: str, params: dict) -> None:
+    """The decode answers ``prompt`` with its own text, after one READ found stale."""
+    expected = answer(d, prompt)
+    assert expected.strip()  # real text, or the comparison proves nothing
+    stale = kv_reads(d, "stale")
+    assert _decoded(d, prompt, params) == expected
+    wait_until(lambda: kv_reads(d, "stale") == stale + 1, 30,
+               'vllm:kvbridge_kv_reads{result="stale"} counts the READ')
+
+
+def test_a_valid_read_is_validated_and_used(servers):
+    p, d = servers
+    expected = answer(d, A)
+    assert expected.strip()
+    validated, bytes_before = kv_reads(d, "validated"), nixl_bytes(d)
+    assert _decoded(d, A, prefill(p.url, A, REQUEST_TIMEOUT)) == expected
+    assert nixl_bytes(d) > bytes_before  # the KV was read, not recomputed
+    wait_until(lambda: kv_reads(d, "validated") == validated + 1, 30,
+               'vllm:kvbridge_kv_reads{result="validated"} counts the READ')
+    assert kv_reads(d, "stale") == 0
+
+
+def test_blocks_released_after_the_lease_and_reused_are_recomputed(servers):
+    """The issue's repro: stock vLLM answers it with another prompt's text."""
+    p, d = servers
+    params = prefill(p.url, A, REQUEST_TIMEOUT)
+    expired = f"Releasing expired KV blocks for request {params['remote_request_id']}"
+    wait_until(lambda: expired in p.log_text(), 60, "the prefill's lease runs out")
+    for i in range(3):  # the freed blocks get other prompts' KV
+        prompt = " ".join(f"word{i}{j}" for j in range(100))  # ~400 of the 768 tokens
+        completion(p.url, prompt, max_tokens=1, timeout=REQUEST_TIMEOUT).raise_for_status()
+    _stale_read(d, A, params)
+
+
+def test_reordered_block_ids_are_recomputed(servers):
+    p, d = servers
+    params = prefill(p.url, A, REQUEST_TIMEOUT)
+    assert len(params["remote_block_ids"][0]) >= 2
+    params["remote_block_ids"] = [list(reversed(params["remote_block_ids"][0]))]
+    _stale_read(d, A, params)
+
+
+def test_another_prompts_params_of_the_same_length_are_recomputed(servers):
+    p, d = servers
+    b = A.replace("France", "Spain")
+    assert b != A and num_tokens(d, b) == num_tokens(d, A)
+    _stale_read(d, b, prefill(p.url, A, REQUEST_TIMEOUT))
