@@ -11,7 +11,9 @@ during the run (another load, the page cache, the clock) falls on every setup al
 * ``native``: vLLM's ``NixlConnector`` (its zmq handshake, fixed 5 s timeout);
 * ``zmq``: ``KVBridgeConnector`` with ``handshake_method=zmq`` (vLLM's wire, bounded);
 * ``http``: the plug-in's dedicated http side channel, with a token;
-* ``https``: the same over TLS (trustme certificates), with a token.
+* ``https``: the same over TLS (trustme certificates), with a token;
+* ``http-unvalidated``: ``http`` with ``read_validation: off`` (no block tags kept or
+  READ): ``http`` against it is the cost of READ validation (docs/vllm.md §6a).
 
 Per setup:
 
@@ -30,7 +32,9 @@ Per setup:
 
 Goals: the plug-in's P/D TTFT p50 at most 1.02x native and its tokens/s at 8 in flight at
 least 0.98x native (it should change nothing but the handshake); its warm handshake no
-slower than native; cold https within 1.5x of native zmq.
+slower than native; cold https within 1.5x of native zmq. With ``http-unvalidated``: the
+same two ratios for ``http`` against it, and the mean tag READ at most 1% of the mean data
+READ (both from the decode's ``/metrics``: NIXL's own timing of each transfer).
 """
 
 from __future__ import annotations
@@ -48,12 +52,12 @@ import httpx
 
 from kvbridge.bench.common import apply_quick, load_average, progress, pyplot
 from kvbridge.bench.report import goal_lines, percentiles
-from kvbridge.bench.vllm_probes import closed_loop, fetch_http, fetch_zmq
+from kvbridge.bench.vllm_probes import closed_loop, fetch_http, fetch_zmq, read_validation
 from kvbridge.net import free_port
 from kvbridge.testing.certs import write_certs
 from kvbridge.vllm.launch import VllmServer
 
-SETUPS = ("native", "zmq", "http", "https")
+SETUPS = ("native", "zmq", "http", "https", "http-unvalidated")
 START_TIMEOUT = 1200.0  # a pair of vLLM servers on a busy 2-core machine
 COLD_HTTPS_GOAL = 1.5  # cold https handshake <= 1.5x native zmq
 TTFT_GOAL = 1.02  # plug-in P/D TTFT p50 <= 1.02x native
@@ -64,8 +68,9 @@ QUICK = {"requests": 3, "throughput_requests": 8, "fetches": 20, "output_tokens"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the prepared SmolLM2)")
-    p.add_argument("--setups", default=",".join(SETUPS),
-                   help=f"comma-separated, from {','.join(SETUPS)}")
+    p.add_argument("--setups", default="native,http",
+                   help=f"comma-separated, from {','.join(SETUPS)} (every setup's pair stays "
+                        "up, paused, for the whole run: about 8 GB of memory each)")
     p.add_argument("--requests", type=int, default=20, help="P/D requests at 1 in flight")
     p.add_argument("--throughput-requests", type=int, default=64,
                    help="P/D requests at 8 in flight")
@@ -93,8 +98,10 @@ def _extra_config(setup: str, side_port: int, certs: Path, token_file: Path
         return None
     cfg: dict[str, Any] = {"handshake_method": "zmq" if setup == "zmq" else "http",
                            "side_channel_host": "127.0.0.1", "side_channel_port": side_port}
-    if setup in ("http", "https"):
+    if setup in ("http", "https", "http-unvalidated"):
         cfg["token_file"] = str(token_file)
+    if setup == "http-unvalidated":  # the cost of READ validation: http without it
+        cfg["read_validation"] = "off"
     if setup == "https":
         cfg.update(ssl_certfile=str(certs / "server.pem"), ssl_keyfile=str(certs / "server.key"),
                    ssl_ca_certs=str(certs / "ca.pem"))
@@ -119,6 +126,7 @@ class _Pair:
     errors_8: int = 0
     error_samples: list[str] = field(default_factory=list)
     warm_up: dict[str, Any] = field(default_factory=dict)
+    reads: dict[str, float] = field(default_factory=dict)  # the decode's READ validation
 
     @property
     def prefill(self) -> str:
@@ -220,6 +228,7 @@ def _round(pair: _Pair, args: argparse.Namespace, r: int, rounds: int) -> float:
     pair.errors_8 += eight["errors"]
     pair.error_samples = (pair.error_samples + one["error_samples"]
                           + eight["error_samples"])[:6]
+    pair.reads = read_validation(pair.decode)
     return eight["tokens_per_s"]
 
 
@@ -230,7 +239,7 @@ def _result(pair: _Pair) -> dict[str, Any]:
             else 0.0,
             "tokens_per_s_8_by_round": pair.rounds_8,
             "errors_1": pair.errors_1, "errors_8": pair.errors_8,
-            "error_samples": pair.error_samples}
+            "error_samples": pair.error_samples, "read_validation": pair.reads}
 
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:
@@ -302,16 +311,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _goals(r: dict[str, Any]) -> list[dict[str, Any]]:
-    native = r.get("native")
-    if native is None:
-        return []
-    goals = []
+    native = r.get("native") or {}
+    goals: list[dict[str, Any]] = []
 
     def goal(text: str, ratio: float, limit: float) -> None:
         goals.append({"goal": text, "value": f"{ratio:.2f}x", "reached": ratio <= limit})
 
     for s in ("zmq", "http", "https"):
-        if s in r:
+        if s in r and native:
             goal(f"{s} warm handshake p50 <= native", r[s]["handshake_warm_ms"]["p50"]
                  / native["handshake_warm_ms"]["p50"], 1.0)
             goal(f"{s} P/D TTFT p50 <= 1.02x native", r[s]["ttft_1_in_flight_ms"]["p50"]
@@ -320,7 +327,18 @@ def _goals(r: dict[str, Any]) -> list[dict[str, Any]]:
                 goal(f"{s} tokens/s at 8 in flight >= 0.98x native",
                      native["tokens_per_s_8_in_flight"] / r[s]["tokens_per_s_8_in_flight"],
                      1 / THROUGHPUT_GOAL)
-    if "https" in r:
+    plain = r.get("http-unvalidated")
+    if plain is not None and "http" in r:  # the cost of READ validation
+        goal("http TTFT p50 <= 1.02x http-unvalidated", r["http"]["ttft_1_in_flight_ms"]["p50"]
+             / plain["ttft_1_in_flight_ms"]["p50"], TTFT_GOAL)
+        if plain["tokens_per_s_8_in_flight"] and r["http"]["tokens_per_s_8_in_flight"]:
+            goal("http tokens/s at 8 in flight >= 0.98x http-unvalidated",
+                 plain["tokens_per_s_8_in_flight"] / r["http"]["tokens_per_s_8_in_flight"],
+                 1 / THROUGHPUT_GOAL)
+        tag_share = r["http"]["read_validation"].get("tag_read_share")
+        if tag_share is not None:
+            goal("tag READ <= 1% of the data READ", tag_share / 0.01, 1.0)
+    if "https" in r and native:
         goal("cold https handshake p50 <= 1.5x native zmq", r["https"]["handshake_cold_ms"]
              ["p50"] / native["handshake_cold_ms"]["p50"], COLD_HTTPS_GOAL)
     return goals
@@ -328,15 +346,22 @@ def _goals(r: dict[str, Any]) -> list[dict[str, Any]]:
 
 def summary(r: dict[str, Any]) -> str:
     lines = [f"vLLM {r['vllm_version']}, model {r['model']}",
-             f"{'setup':8} {'first extra':>12} {'TTFT p50':>9} {'tok/s@8':>8} "
-             f"{'hs cold p50':>12} {'hs warm p50':>12} {'errors':>6}"]
+             f"{'setup':16} {'first extra':>12} {'TTFT p50':>9} {'tok/s@8':>8} "
+             f"{'hs cold p50':>12} {'hs warm p50':>12} {'errors':>6}  READs"]
     for s, v in r["setups"].items():
-        lines.append(f"{s:8} {v['first_request_extra_ms']:>10.1f}ms "
+        reads = v.get("read_validation") or {}
+        counts = ", ".join(f"{k} {int(n)}" for k, n in reads.items()
+                           if not k.endswith(("_ms", "_share")) and n)
+        lines.append(f"{s:16} {v['first_request_extra_ms']:>10.1f}ms "
                      f"{v['ttft_1_in_flight_ms']['p50']:>7.1f}ms "
                      f"{v['tokens_per_s_8_in_flight']:>8.1f} "
                      f"{v['handshake_cold_ms']['p50']:>10.2f}ms "
                      f"{v['handshake_warm_ms']['p50']:>10.2f}ms "
-                     f"{v['errors_1'] + v['errors_8']:>6}")
+                     f"{v['errors_1'] + v['errors_8']:>6}  {counts or '-'}")
+        if "tag_read_share" in reads:
+            lines.append(f"{'':16} tag READ {reads['tag_read_mean_ms']:.3f} ms against data "
+                         f"READ {reads['data_read_mean_ms']:.3f} ms (mean): "
+                         f"{100 * reads['tag_read_share']:.1f}%")
     lines += goal_lines(r)
     return "\n".join(lines)
 

@@ -103,3 +103,29 @@ def fetch_http(url: str, n: int, warm: bool, verify: Any, token: str) -> list[fl
         if client is not None:
             client.close()
     return samples
+
+
+# --- the plug-in's READ validation, from the decode's /metrics ------------------------
+
+
+def read_validation(decode: str) -> dict[str, float]:
+    """The decode's READ results (``vllm:kvbridge_kv_reads_total``) and the mean time of a
+    tag READ against the mean time of a data READ (``tag_read_share``)."""
+    from kvbridge.testing.prometheus import labelled_total, metric_total, parse_samples
+    from kvbridge.vllm.validation import RESULTS
+
+    try:
+        samples = parse_samples(httpx.get(f"{decode}/metrics", timeout=60).text)
+    except httpx.HTTPError:
+        return {}
+    out = {r: labelled_total(samples, "vllm:kvbridge_kv_reads_total", result=r)
+           for r in RESULTS}
+    tags = metric_total(samples, "vllm:kvbridge_tag_read_seconds_count")
+    data = metric_total(samples, "vllm:nixl_xfer_time_seconds_count")
+    if tags and data:
+        out["tag_read_mean_ms"] = 1e3 * metric_total(
+            samples, "vllm:kvbridge_tag_read_seconds_sum") / tags
+        out["data_read_mean_ms"] = 1e3 * metric_total(
+            samples, "vllm:nixl_xfer_time_seconds_sum") / data
+        out["tag_read_share"] = out["tag_read_mean_ms"] / out["data_read_mean_ms"]
+    return out
