@@ -216,6 +216,12 @@ SETTINGS = Tree([
             "`off`: no tags kept or read). See [vllm.md](vllm.md) §6.", "vllm",
             env=("KVBRIDGE_READ_VALIDATION",), choices=("auto", "require", "off"),
             extra_config=True),
+    Setting("hold_keys", str, "require",
+            "vLLM plug-in, prefill: a READ-done note releases a hold only with the hold's key, "
+            "which `kv_transfer_params` carry (`require`); `off`: any note naming the request "
+            "releases it, as in vLLM (for stock vLLM decodes, whose notes carry no key). See "
+            "[vllm.md](vllm.md) §6b.", "vllm", env=("KVBRIDGE_HOLD_KEYS",),
+            choices=("require", "off"), extra_config=True),
     Setting("registry_ttl", int, 10,
             "Seconds the registration (an etcd lease) outlives a crashed instance.", "serve",
             env=("KVBRIDGE_REGISTRY_TTL",), flag="--registry-ttl", low=1, extra_config=True),

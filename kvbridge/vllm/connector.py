@@ -1,14 +1,15 @@
-"""``KVBridgeConnector``: vLLM's NixlConnector (pull mode) with kvbridge's side channel and
-every READ validated.
+"""``KVBridgeConnector``: vLLM's NixlConnector (pull mode) with kvbridge's side channel,
+every READ validated and every hold a capability.
 
 vLLM keeps its NIXL agent and data path, block management, heterogeneous-TP rank
 selection, compatibility-hash check, load-failure policy and ``vllm:nixl_*`` metrics. What
 changes (every override is listed in docs/vllm.md §5 with its reason):
 
 * scheduler (kvbridge/vllm/scheduler.py): kvbridge's side-channel server in place of vLLM's
-  listener, its registration in etcd, and the block tags each step writes;
+  listener, its registration in etcd, the block tags each step writes, and a key per hold;
 * worker (kvbridge/vllm/worker.py): the handshake through kvbridge's client followed by
-  vLLM's own checks, and the block tags kept and READ (kvbridge/vllm/validation.py);
+  vLLM's own checks, the block tags kept and READ (kvbridge/vllm/validation.py), and
+  hold keys on READ-done notes (kvbridge/vllm/holds.py);
 * connector (here): ``__init__`` builds those two instead of the stock ones (one NIXL agent
   per worker, as stock); ``bind_connector_metadata`` and ``wait_for_save`` bracket the
   forward for the tags; the stats and ``/metrics`` add the READ results

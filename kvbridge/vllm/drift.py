@@ -105,6 +105,13 @@ MEMBERS: tuple[Member, ...] = (
        "after it (tags set), start_load_kv maybe after it"),
     _m(NIXL + "connector.py", "NixlBaseConnector.wait_for_save",
        "wrapped: the tags of what the forward wrote are set after it"),
+    # Hold keys (kvbridge/vllm/holds.py): the note formats the key is added to and checked in.
+    _m(NIXL + "pull_worker.py", "NixlPullConnectorWorker._get_new_notifs",
+       "its parse of '<request id>:<consumers>' and 'HB:' notes, fed only keyed notes"),
+    _m(NIXL + "pull_worker.py", "NixlPullConnectorWorker._read_blocks",
+       "builds the READ-done note '<request id>:<consumers>' the key is appended to"),
+    _m(NIXL + "base_worker.py", "NixlBaseConnectorWorker._send_heartbeats",
+       "its 'HB:' notes, which pass without a key"),
     _m(NIXL + "stats.py", "NixlKVConnectorStats",
        "subclassed: KVBridgeStats adds the READ results to vLLM's stats"),
     _m(NIXL + "stats.py", "NixlPromMetrics.observe",

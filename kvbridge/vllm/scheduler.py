@@ -2,7 +2,8 @@
 side-channel server for ``handshake_method`` (the port actually bound is what
 ``kv_transfer_params`` advertise; a second ``set_xfer_handshake_metadata``, vLLM 0.33 after
 a wake-up, republishes), which registers the instance in etcd with ``api_url``, and which
-names the block tags each step writes (kvbridge.vllm.validation)."""
+names the block tags each step writes (kvbridge.vllm.validation) and gives every hold a key
+(kvbridge.vllm.holds)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 from kvbridge.handshake.base import HandshakeServer
 from kvbridge.handshake.factory import make_server
 from kvbridge.handshake.payloads import PayloadStore, Rank
+from kvbridge.vllm.holds import KEY_PARAM, new_key
 from kvbridge.vllm.payload import PAYLOAD_KIND, describe_payload, log, payload_decoder, validating
 from kvbridge.vllm.settings import PluginSettings
 from kvbridge.vllm.validation import TagWriter
@@ -52,14 +54,32 @@ class KVBridgeScheduler(NixlPullConnectorScheduler):
         self._kvbridge_tags = (TagWriter(vllm_config.cache_config.block_size)
                                if validating(settings, kv_cache_config) else None)
         self._kvbridge_prompts: dict[str, list[int]] = {}
+        # Hold keys (kvbridge.vllm.holds): given out since the last step (prefill), and
+        # got with the params of requests to read (decode).
+        self._kvbridge_keys_on = settings.hold_keys == "require"
+        self._kvbridge_new_keys: dict[str, str] = {}
+        self._kvbridge_recv_keys: dict[str, str] = {}
 
     def update_state_after_alloc(self, request: Request, blocks: Any,
                                  num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        # vLLM queued a READ for it (it clears do_remote_prefill itself): keep its prompt.
-        if (self._kvbridge_tags is not None and request.request_id in self._reqs_need_recv
-                and request.prompt_token_ids is not None):
+        if request.request_id not in self._reqs_need_recv:
+            return
+        # vLLM queued a READ for it (it clears do_remote_prefill itself): keep its prompt
+        # (the expected tags) and its hold's key (the READ-done note's).
+        if self._kvbridge_tags is not None and request.prompt_token_ids is not None:
             self._kvbridge_prompts[request.request_id] = list(request.prompt_token_ids)
+        key = (request.kv_transfer_params or {}).get(KEY_PARAM)
+        if isinstance(key, str) and key:
+            self._kvbridge_recv_keys[request.request_id] = key
+
+    def request_finished(self, request: Request, block_ids: Any
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's; a held request's params carry a fresh key for its hold."""
+        delay, params = super().request_finished(request, block_ids)
+        if delay and params is not None and self._kvbridge_keys_on:
+            params[KEY_PARAM] = self._kvbridge_new_keys[request.request_id] = new_key()
+        return delay, params
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         meta = super().build_connector_meta(scheduler_output)
@@ -67,8 +87,12 @@ class KVBridgeScheduler(NixlPullConnectorScheduler):
             meta.kvbridge_tags = self._kvbridge_tags.step(scheduler_output)
             meta.kvbridge_prompts = {r: self._kvbridge_prompts.pop(r)
                                      for r in meta.reqs_to_recv if r in self._kvbridge_prompts}
-            for r in scheduler_output.finished_req_ids:
-                self._kvbridge_prompts.pop(r, None)
+        meta.kvbridge_hold_keys, self._kvbridge_new_keys = self._kvbridge_new_keys, {}
+        meta.kvbridge_recv_keys = {r: self._kvbridge_recv_keys.pop(r)
+                                   for r in meta.reqs_to_recv if r in self._kvbridge_recv_keys}
+        for r in scheduler_output.finished_req_ids:
+            self._kvbridge_prompts.pop(r, None)
+            self._kvbridge_recv_keys.pop(r, None)
         return meta
 
     def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:

@@ -61,6 +61,7 @@ class PluginSettings:
     side_channel: SideChannelConfig
     registration: RegistrationSettings | None = None
     read_validation: str = SETTINGS["read_validation"].default  # kvbridge.vllm.validation
+    hold_keys: str = SETTINGS["hold_keys"].default  # kvbridge.vllm.holds
 
     @property
     def method(self) -> str:
@@ -107,4 +108,5 @@ def load_settings(extra: Mapping[str, Any] | None, dp_index: int = 0,
         own = SETTINGS.resolve(sorted(PLUGIN_KEYS), extra, environ, extra_label)
     except ConfigError as e:
         raise ConfigError(f"kvbridge.vllm: {e}") from None
-    return PluginSettings(cfg, registration_settings(extra, cfg), own["read_validation"])
+    return PluginSettings(cfg, registration_settings(extra, cfg), own["read_validation"],
+                          own["hold_keys"])

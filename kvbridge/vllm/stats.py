@@ -19,7 +19,8 @@ from kvbridge.vllm.validation import RESULTS
 
 READS = "kvbridge_kv_reads"  # the stats key: one result name per READ
 TAG_READ_SECONDS = "kvbridge_tag_read_seconds"  # each tag READ's time (NIXL telemetry)
-KEYS = (READS, TAG_READ_SECONDS)
+NOTES_IGNORED = "kvbridge_notes_ignored"  # a prefill's notes without the hold's key: why
+KEYS = (READS, TAG_READ_SECONDS, NOTES_IGNORED)
 
 
 class KVBridgeStats(NixlKVConnectorStats):
@@ -32,6 +33,9 @@ class KVBridgeStats(NixlKVConnectorStats):
 
     def record_read(self, result: str) -> None:
         self.data.setdefault(READS, []).append(result)  # type: ignore[arg-type]
+
+    def record_note_ignored(self, why: str) -> None:
+        self.data.setdefault(NOTES_IGNORED, []).append(why)  # type: ignore[arg-type]
 
     def record_tag_read_seconds(self, seconds: float) -> None:
         self.data.setdefault(TAG_READ_SECONDS, []).append(seconds)
@@ -62,6 +66,11 @@ class KVBridgePromMetrics(NixlPromMetrics):
         for values in per_engine_labelvalues.values():  # every result shows, even at 0
             for result in RESULTS:
                 self.kvbridge_reads.labels(*values, result)
+        self.kvbridge_notes_ignored = self._counter_cls(
+            name="vllm:kvbridge_notes_ignored",
+            documentation="READ-done notes a prefill did not pass to vLLM because they lack "
+            "the hold's key (kvbridge.vllm.holds): no_key, bad_key.",
+            labelnames=[*labelnames, "why"])
         self.kvbridge_tag_read_seconds = self._histogram_cls(
             name="vllm:kvbridge_tag_read_seconds",
             documentation="Time of each validating tag READ (NIXL telemetry), to set "
@@ -74,5 +83,7 @@ class KVBridgePromMetrics(NixlPromMetrics):
         values = self.per_engine_labelvalues[engine_idx]
         for result in transfer_stats_data.get(READS, ()):
             self.kvbridge_reads.labels(*values, result).inc()
+        for why in transfer_stats_data.get(NOTES_IGNORED, ()):
+            self.kvbridge_notes_ignored.labels(*values, why).inc()
         for seconds in transfer_stats_data.get(TAG_READ_SECONDS, ()):
             self.kvbridge_tag_read_seconds.labels(*values).observe(seconds)

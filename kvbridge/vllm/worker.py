@@ -1,7 +1,7 @@
 """``KVBridgeWorker``: vLLM's pull worker whose handshake fetches through kvbridge's client
 (one deadline, ``handshake_timeout``) and then runs vLLM's own checks, in vLLM's order, with
-its helpers; and which keeps block tags and validates every READ
-(kvbridge.vllm.validation)."""
+its helpers; which keeps block tags and validates every READ (kvbridge.vllm.validation);
+and whose READ-done notes carry, and are checked for, the hold's key (kvbridge.vllm.holds)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from vllm.platforms import current_platform
 from kvbridge.handshake.base import HandshakeClient
 from kvbridge.handshake.factory import make_client
 from kvbridge.handshake.payloads import FetchedPayloads, Rank, fetch_payloads
+from kvbridge.vllm.holds import KeyedAgent
 from kvbridge.vllm.payload import PAYLOAD_KIND, agent_decoder, log, payload_decoder, validating
 from kvbridge.vllm.settings import PluginSettings
 from kvbridge.vllm.stats import KVBridgeStats
@@ -45,6 +46,15 @@ class KVBridgeWorker(NixlPullConnectorWorker):
         self._kvbridge_validating = validating(settings, kv_cache_config)
         self.kvbridge_validator: ReadValidator | None = None
         self._kvbridge_unsynced: list[tuple[Any, list[tuple[int, int]]]] = []  # GPU only
+        # Hold keys (kvbridge.vllm.holds): vLLM's NIXL agent, wrapped; every use of it by
+        # vLLM (notes sent with READs, notes received) goes through the wrapper.
+        self.kvbridge_keys: KeyedAgent | None = None
+        self._kvbridge_remote_ids: dict[str, str] = {}  # local request id -> remote one
+        if settings.hold_keys == "require":
+            stats = self.xfer_stats
+            assert isinstance(stats, KVBridgeStats)
+            self.kvbridge_keys = KeyedAgent(self.nixl_wrapper, stats.record_note_ignored)
+            self.nixl_wrapper = self.kvbridge_keys
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's, with the block tags registered first (vLLM's agent metadata then knows
@@ -82,6 +92,8 @@ class KVBridgeWorker(NixlPullConnectorWorker):
         of the blocks it will write are cleared (vLLM starts its loads after the forward,
         so ``start_load_kv`` would be too late)."""
         self._kvbridge_apply_finished_sets()
+        if self.kvbridge_keys is not None:  # before this step's notes are read
+            self.kvbridge_keys.hold_keys.update(getattr(metadata, "kvbridge_hold_keys", {}))
         tags: StepTags | None = getattr(metadata, "kvbridge_tags", None)
         if self.kvbridge_validator is not None and tags is not None:
             self.kvbridge_validator.clear(tags.clear)
@@ -108,12 +120,31 @@ class KVBridgeWorker(NixlPullConnectorWorker):
             v.set(self._kvbridge_unsynced.pop(0)[1])
 
     def start_load_kv(self, metadata: Any) -> None:
+        keys = getattr(metadata, "kvbridge_recv_keys", {})
+        if self.kvbridge_keys is not None:
+            for req_id, key in keys.items():  # before vLLM posts the READs and their notes
+                meta = metadata.reqs_to_recv.get(req_id)
+                if meta is not None and meta.remote is not None:
+                    self.kvbridge_keys.send_keys[meta.remote.request_id] = key
+                    self._kvbridge_remote_ids[req_id] = meta.remote.request_id
         v = self.kvbridge_validator
         if v is not None:
             prompts = getattr(metadata, "kvbridge_prompts", {})
             for req_id, meta in metadata.reqs_to_recv.items():
                 v.expect(req_id, meta, prompts.get(req_id))  # before vLLM remaps the ids
         super().start_load_kv(metadata)
+
+    def get_transfer_results(self) -> Any:
+        results = super().get_transfer_results()
+        keys = self.kvbridge_keys
+        if keys is not None:  # released holds and finished READs need their keys no more
+            for req_id in results.finished_sending:
+                keys.hold_keys.pop(req_id, None)
+            for req_id in results.finished_recving:
+                remote = self._kvbridge_remote_ids.pop(req_id, None)
+                if remote is not None:
+                    keys.send_keys.pop(remote, None)
+        return results
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]
                             ) -> tuple[set[str], set[str]]:

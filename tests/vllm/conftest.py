@@ -54,6 +54,13 @@ def kv_reads(server: VllmServer, result: str) -> float:
     return labelled_total(samples, "vllm:kvbridge_kv_reads_total", result=result)
 
 
+def num_tokens(server: VllmServer, prompt: str) -> int:
+    r = httpx.post(f"{server.url}/tokenize", json={"model": "model", "prompt": prompt},
+                   timeout=60)
+    r.raise_for_status()
+    return int(r.json()["count"])
+
+
 def answer(server: VllmServer, prompt: str = PROMPT) -> str:
     """The server's greedy text for ``prompt``, computed without any KV transfer."""
     r = completion(server.url, prompt, max_tokens=MAX_TOKENS, timeout=REQUEST_TIMEOUT)

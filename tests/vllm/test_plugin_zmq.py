@@ -19,6 +19,7 @@ from tests.vllm.conftest import (
     answer,
     kv_reads,
     nixl_bytes,
+    num_tokens,
     running,
 )
 
@@ -107,3 +108,20 @@ def test_plugin_listener_survives_what_kills_vllms_own(servers, expected):
                timeout=REQUEST_TIMEOUT)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == expected
+
+
+def test_a_stale_read_with_vllms_fail_policy_is_an_error_not_a_wrong_answer(servers):
+    """vLLM's default kv_load_failure_policy ("fail"): a READ whose block tags differ from
+    the decode's prompt (here: the params of a prompt of the same length, another word)
+    ends the request with an error, and the decode's log names the request and why (vLLM's
+    error carries no reason)."""
+    p, d = servers["plugin-a"], servers["plugin-b"]
+    other = PROMPT.replace("France", "Italy")
+    assert other != PROMPT and num_tokens(d, other) == num_tokens(d, PROMPT)
+    params = prefill(p.url, PROMPT, REQUEST_TIMEOUT)
+    stale = kv_reads(d, "stale")
+    r = decode(d.url, other, params, max_tokens=MAX_TOKENS, timeout=REQUEST_TIMEOUT)
+    failed = r.status_code != 200 or r.json()["choices"][0].get("finish_reason") == "error"
+    assert failed, r.text
+    wait_until(lambda: kv_reads(d, "stale") == stale + 1, 30, "the stale READ is counted")
+    assert "is stale: recomputed or refused per kv_load_failure_policy" in d.log_text()

@@ -13,13 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
 
 from kvbridge.vllm.launch import VllmServer, completion, decode, prefill
 from tests.helpers import wait_until
-from tests.vllm.conftest import REQUEST_TIMEOUT, answer, kv_reads, nixl_bytes, running
+from tests.vllm.conftest import (
+    REQUEST_TIMEOUT,
+    answer,
+    kv_reads,
+    nixl_bytes,
+    num_tokens,
+    running,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -45,13 +52,6 @@ def servers(model: Path, tmp_path_factory: pytest.TempPathFactory
                            extra_args=SMALL, kv_load_failure_policy="recompute")
     with running(p, dec):
         yield p, dec
-
-
-def num_tokens(server: VllmServer, prompt: str) -> int:
-    r = httpx.post(f"{server.url}/tokenize", json={"model": "model", "prompt": prompt},
-                   timeout=60)
-    r.raise_for_status()
-    return int(r.json()["count"])
 
 
 def _decoded(d: VllmServer, prompt: str, params: dict) -> str:
@@ -107,3 +107,51 @@ def test_another_prompts_params_of_the_same_length_are_recomputed(servers):
     b = A.replace("France", "Spain")
     assert b != A and num_tokens(d, b) == num_tokens(d, A)
     _stale_read(d, b, prefill(p.url, A, REQUEST_TIMEOUT))
+
+
+def _forger(p: VllmServer) -> tuple[Any, str]:
+    """A NIXL agent of our own that knows the prefill's rank 0, as anyone who can reach its
+    NIXL port and fetch its metadata can: (the agent, the prefill's agent name). Made before
+    the hold exists: importing vLLM's metadata types here takes longer than the lease."""
+    import msgspec
+    from nixl._api import nixl_agent
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlAgentMetadata,
+        NixlHandshakePayload,
+    )
+
+    from kvbridge.config import SideChannelConfig
+    from kvbridge.handshake.factory import make_client
+    from kvbridge.handshake.payloads import fetch_payloads
+    from kvbridge.vllm.payload import PAYLOAD_KIND
+
+    client = make_client(SideChannelConfig(handshake_method="http"), None)
+    try:
+        fetched = fetch_payloads(client, PAYLOAD_KIND, "127.0.0.1", p.side_channel_port,
+                                 [(0, 0)])
+    finally:
+        client.close()
+    payload = msgspec.msgpack.decode(fetched.payloads[(0, 0)], type=NixlHandshakePayload)
+    meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
+    agent = nixl_agent("forger")
+    return agent, agent.add_remote_agent(meta.agent_metadata)
+
+
+def test_a_forged_read_done_note_without_the_holds_key_releases_nothing(servers):
+    """vLLM's note format, naming a held request, from an agent without the key: the hold
+    stays until its lease runs out (stock vLLM frees the blocks at once)."""
+    p, _ = servers
+    forger, prefill_agent = _forger(p)
+    ignored = p.metrics().get("vllm:kvbridge_notes_ignored_total", 0.0)
+    params = prefill(p.url, A, REQUEST_TIMEOUT)
+    rid = params["remote_request_id"]
+    forger.send_notif(prefill_agent, notif_msg=f"{rid}:1".encode())
+    # Held until the lease: vLLM logs an expiry only for blocks still held then (with
+    # hold_keys off, the note frees them at once and this never comes).
+    wait_until(lambda: f"Releasing expired KV blocks for request {rid}" in p.log_text(),
+               60, "the hold outlives the forged note and expires with its lease")
+    wait_until(lambda: p.metrics().get("vllm:kvbridge_notes_ignored_total", 0.0)
+               == ignored + 1, 60, "the prefill counts the note it ignored")
+    assert "released nothing" in p.log_text()
+    assert params.get("kvbridge_hold_key")  # the capability, for whoever decodes
+    del forger

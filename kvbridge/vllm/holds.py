@@ -1,0 +1,104 @@
+"""A hold is a capability inside vLLM too: a READ-done note releases a prefill's blocks only
+with the hold's key (as kvbridge's own engine, protocol.md §9a).
+
+vLLM's prefill frees a request's blocks on any NIXL note ``"<request id>:<consumers>"``,
+so any process with NIXL access to it can release a hold by naming a request id (a decode
+then READs blocks given to another prompt). With the plug-in:
+
+* the prefill's scheduler gives every hold a fresh 128-bit key, in ``kv_transfer_params``
+  (``kvbridge_hold_key``) and, through the connector metadata, to its workers;
+* a decode adds the key of the request to every note it sends for it
+  (``"<request id>:<consumers>|kvbridge-key=<key>"``); a prefill without keys (a stock
+  vLLM) never gives one, so it only ever gets vLLM's own notes;
+* the prefill passes on to vLLM only notes that carry the key of a hold it keyed; others
+  release nothing, are counted (``vllm:kvbridge_notes_ignored_total{why}``) and logged
+  once per sender. Heartbeats (``HB:...``) pass: they only extend a lease.
+
+Both sides work through ``KeyedAgent``, a thin wrapper of vLLM's NIXL agent. A stock vLLM
+decode's notes carry no key: its holds last the lease, unless ``hold_keys: off``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("vllm.kvbridge")
+
+KEY_PARAM = "kvbridge_hold_key"  # in kv_transfer_params
+SEP = "|kvbridge-key="
+HEARTBEAT = "HB:"
+
+
+def new_key() -> str:
+    return secrets.token_urlsafe(16)  # 128 bits; no ':' or '|'
+
+
+class KeyedAgent:
+    """vLLM's NIXL agent with hold keys on READ-done notes (everything else is the agent's)."""
+
+    def __init__(self, agent: Any, on_ignored: Callable[[str], None]):
+        self._agent = agent
+        self._on_ignored = on_ignored
+        self.send_keys: dict[str, str] = {}  # decode: remote request id -> its hold's key
+        self.hold_keys: dict[str, str] = {}  # prefill: request id -> the key it gave out
+        self._warned: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+    # -- a decode's notes ------------------------------------------------------------
+
+    def _keyed(self, msg: Any) -> Any:
+        if not msg or not self.send_keys:
+            return msg
+        text = msg.decode("utf-8", "replace") if isinstance(msg, bytes) else str(msg)
+        key = self.send_keys.get(text.rsplit(":", 1)[0])
+        return msg if key is None or text.startswith(HEARTBEAT) else f"{text}{SEP}{key}".encode()
+
+    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
+        if "notif_msg" in kwargs:
+            kwargs["notif_msg"] = self._keyed(kwargs["notif_msg"])
+        elif len(args) > 5:
+            args = (*args[:5], self._keyed(args[5]), *args[6:])
+        return self._agent.make_prepped_xfer(*args, **kwargs)
+
+    def send_notif(self, remote_agent: str, *args: Any, **kwargs: Any) -> Any:
+        if "notif_msg" in kwargs:
+            kwargs["notif_msg"] = self._keyed(kwargs["notif_msg"])
+        elif args:
+            args = (self._keyed(args[0]), *args[1:])
+        return self._agent.send_notif(remote_agent, *args, **kwargs)
+
+    # -- a prefill's notes -----------------------------------------------------------
+
+    def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
+        out: dict[str, list[bytes]] = {}
+        for sender, msgs in self._agent.get_new_notifs(*args, **kwargs).items():
+            kept = [m for m in (self._admit(sender, msg) for msg in msgs) if m is not None]
+            if kept:
+                out[sender] = kept
+        return out
+
+    def _admit(self, sender: str, msg: bytes) -> bytes | None:
+        text = msg.decode("utf-8", "replace")
+        if text.startswith(HEARTBEAT):
+            return msg
+        base, _, key = text.partition(SEP)
+        held = self.hold_keys.get(base.rsplit(":", 1)[0])
+        if held is None:
+            return base.encode()  # no key given for it: vLLM's own checks follow
+        if key and hmac.compare_digest(key, held):
+            return base.encode()
+        why = "bad_key" if key else "no_key"
+        self._on_ignored(why)
+        if sender not in self._warned:
+            self._warned.add(sender)
+            log.warning("kvbridge: a note from NIXL agent %s without its hold's key (%s) "
+                        "released nothing%s", sender, why,
+                        "; a stock vLLM decode's holds last the lease (kv_lease_duration) "
+                        "unless hold_keys is off" if why == "no_key" else "")
+        return None
