@@ -183,7 +183,8 @@ SETTINGS = Tree([
     Setting("nixl_progress_delay_us", int, 1000,
             "Microseconds each NIXL agent's progress thread sleeps between polls "
             "(`kvbridge/_nixl.py`). nixl's Python wrapper sets `0`, which makes every agent's "
-            "thread busy-poll a whole core even when idle; `0` here keeps that behaviour.",
+            "thread busy-poll a whole core even when idle; `0` here keeps that behaviour. "
+            "The vLLM plug-in applies it to vLLM's own worker agent too.",
             "nixl", env=("KVBRIDGE_NIXL_PROGRESS_DELAY_US",), low=0),
 
     # -- the engine (kvbridge serve) ------------------------------------------------------

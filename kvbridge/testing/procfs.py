@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-__all__ = ["instance_rss_mib"]
+__all__ = ["group_cpu_seconds", "instance_rss_mib"]
 
 
 def _vm_rss_kib(pid: int) -> int:
@@ -29,3 +30,21 @@ def instance_rss_mib(pid: int) -> float:
             if p == pid:
                 raise
     return total / 1024
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (utime + stime, every thread) used so far by the live processes of the
+    process group ``pgid`` (a vLLM server: API server, engine core, workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # the fields after the command name (which may hold spaces and parentheses)
+            rest = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
+            continue
+        if int(rest[2]) == pgid:
+            total += int(rest[11]) + int(rest[12])
+    return total / tick

@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 )
 from vllm.platforms import current_platform
 
+from kvbridge._nixl import nixl_module, progress_delay
 from kvbridge.handshake.base import HandshakeClient
 from kvbridge.handshake.factory import make_client
 from kvbridge.handshake.payloads import FetchedPayloads, Rank, fetch_payloads
@@ -36,7 +37,11 @@ class KVBridgeWorker(NixlPullConnectorWorker):
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str,
                  kv_cache_config: KVCacheConfig, settings: PluginSettings):
-        super().__init__(vllm_config, engine_id, kv_cache_config)
+        # vLLM builds its NIXL agent here with nixl's busy-polling progress thread, which
+        # spins a core even when idle (on vLLM's CPU build, the worker's own core); kvbridge's
+        # nixl_progress_delay_us applies to it as to kvbridge's agents (kvbridge/_nixl.py).
+        with progress_delay(nixl_module()):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvbridge_settings = settings
         # (host, port) -> the epoch of the instance last handshaken there ("" over zmq)
         self.kvbridge_epochs: dict[tuple[str, int], str] = {}

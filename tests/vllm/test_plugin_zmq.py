@@ -3,12 +3,14 @@ NixlConnector instances read from each other (a rolling migration). Three vLLM s
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
 
+from kvbridge.testing.procfs import group_cpu_seconds
 from kvbridge.vllm.launch import VllmServer, decode, prefill
 from tests.helpers import wait_until
 from tests.vllm.conftest import (
@@ -60,6 +62,23 @@ def _pd(p: VllmServer, d: VllmServer, attempts: int = 1):
             break
         params = prefill(p.url, PROMPT, REQUEST_TIMEOUT)
     return r, nixl_bytes(d) - before
+
+
+def test_an_idle_plugin_spins_no_core_where_stock_vllm_spins_one(servers):
+    """vLLM's worker builds its NIXL agent with a busy-polling progress thread; the plug-in
+    builds it with kvbridge's nixl_progress_delay_us (docs/vllm.md §5c). Both servers are
+    idle here, before any P/D request of the module (a held request keeps vLLM's engine
+    stepping until its lease ends): CPU seconds per second, each server's whole process
+    group, over the same window."""
+    stock, plugin = servers["stock"], servers["plugin-a"]
+    before = {s.name: group_cpu_seconds(s.proc.pid) for s in (stock, plugin)}
+    start = time.monotonic()
+    time.sleep(3.0)  # the measuring window itself, not a wait for an event
+    took = time.monotonic() - start
+    used = {s.name: (group_cpu_seconds(s.proc.pid) - before[s.name]) / took
+            for s in (stock, plugin)}
+    assert used["plugin-a"] < 0.25, used  # was a whole core, as stock's
+    assert used["stock"] > 2 * used["plugin-a"], used
 
 
 @pytest.mark.parametrize("pair", [("plugin-a", "plugin-b"), ("stock", "plugin-a"),
@@ -125,3 +144,4 @@ def test_a_stale_read_with_vllms_fail_policy_is_an_error_not_a_wrong_answer(serv
     assert failed, r.text
     wait_until(lambda: kv_reads(d, "stale") == stale + 1, 30, "the stale READ is counted")
     assert "is stale: recomputed or refused per kv_load_failure_policy" in d.log_text()
+
