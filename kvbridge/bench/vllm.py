@@ -13,7 +13,9 @@ during the run (another load, the page cache, the clock) falls on every setup al
 * ``http``: the plug-in's dedicated http side channel, with a token;
 * ``https``: the same over TLS (trustme certificates), with a token;
 * ``http-unvalidated``: ``http`` with ``read_validation: off`` (no block tags kept or
-  READ): ``http`` against it is the cost of READ validation (docs/vllm.md §6a).
+  READ): ``http`` against it is the cost of READ validation (docs/vllm.md §6a);
+* ``http-busy``: ``http`` with ``KVBRIDGE_NIXL_PROGRESS_DELAY_US=0``, vLLM's NIXL agents
+  with nixl's busy-polling progress thread, as stock vLLM's (docs/vllm.md §5c).
 
 Per setup:
 
@@ -52,16 +54,15 @@ import httpx
 
 from kvbridge.bench.common import apply_quick, load_average, progress, pyplot
 from kvbridge.bench.report import goal_lines, percentiles
+from kvbridge.bench.vllm_goals import COLD_HTTPS_GOAL, goals
 from kvbridge.bench.vllm_probes import closed_loop, fetch_http, fetch_zmq, read_validation
 from kvbridge.net import free_port
 from kvbridge.testing.certs import write_certs
 from kvbridge.vllm.launch import VllmServer
 
-SETUPS = ("native", "zmq", "http", "https", "http-unvalidated")
+SETUPS = ("native", "zmq", "http", "https", "http-unvalidated", "http-busy")
 START_TIMEOUT = 1200.0  # a pair of vLLM servers on a busy 2-core machine
-COLD_HTTPS_GOAL = 1.5  # cold https handshake <= 1.5x native zmq
-TTFT_GOAL = 1.02  # plug-in P/D TTFT p50 <= 1.02x native
-THROUGHPUT_GOAL = 0.98  # plug-in tokens/s at 8 in flight >= 0.98x native
+BUSY_PROGRESS = {"KVBRIDGE_NIXL_PROGRESS_DELAY_US": "0"}  # nixl's own: a busy-polling thread
 QUICK = {"requests": 3, "throughput_requests": 8, "fetches": 20, "output_tokens": 4,
          "rounds": 1}
 
@@ -98,7 +99,7 @@ def _extra_config(setup: str, side_port: int, certs: Path, token_file: Path
         return None
     cfg: dict[str, Any] = {"handshake_method": "zmq" if setup == "zmq" else "http",
                            "side_channel_host": "127.0.0.1", "side_channel_port": side_port}
-    if setup in ("http", "https", "http-unvalidated"):
+    if setup in ("http", "https", "http-unvalidated", "http-busy"):
         cfg["token_file"] = str(token_file)
     if setup == "http-unvalidated":  # the cost of READ validation: http without it
         cfg["read_validation"] = "off"
@@ -165,7 +166,7 @@ def _start(setup: str, model: str, tmp: Path) -> _Pair:
             pair.servers[role] = VllmServer.start(
                 model, name=f"{setup}-{role}", log_dir=tmp, core=core,
                 connector="nixl" if setup == "native" else "kvbridge",
-                side_channel_port=side,
+                side_channel_port=side, env=BUSY_PROGRESS if setup == "http-busy" else None,
                 extra_config=_extra_config(setup, side, certs, token_file))
         t0 = time.monotonic()
         for p in pair.servers.values():
@@ -306,42 +307,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 pair.stop()
     out["setups"] = {s: _result(pairs[s]) for s in setups}
     out["load_average_end"] = load_average()
-    out["goals"] = _goals(out["setups"])
+    out["goals"] = goals(out["setups"])
     return out
-
-
-def _goals(r: dict[str, Any]) -> list[dict[str, Any]]:
-    native = r.get("native") or {}
-    goals: list[dict[str, Any]] = []
-
-    def goal(text: str, ratio: float, limit: float) -> None:
-        goals.append({"goal": text, "value": f"{ratio:.2f}x", "reached": ratio <= limit})
-
-    for s in ("zmq", "http", "https"):
-        if s in r and native:
-            goal(f"{s} warm handshake p50 <= native", r[s]["handshake_warm_ms"]["p50"]
-                 / native["handshake_warm_ms"]["p50"], 1.0)
-            goal(f"{s} P/D TTFT p50 <= 1.02x native", r[s]["ttft_1_in_flight_ms"]["p50"]
-                 / native["ttft_1_in_flight_ms"]["p50"], TTFT_GOAL)
-            if native["tokens_per_s_8_in_flight"] and r[s]["tokens_per_s_8_in_flight"]:
-                goal(f"{s} tokens/s at 8 in flight >= 0.98x native",
-                     native["tokens_per_s_8_in_flight"] / r[s]["tokens_per_s_8_in_flight"],
-                     1 / THROUGHPUT_GOAL)
-    plain = r.get("http-unvalidated")
-    if plain is not None and "http" in r:  # the cost of READ validation
-        goal("http TTFT p50 <= 1.02x http-unvalidated", r["http"]["ttft_1_in_flight_ms"]["p50"]
-             / plain["ttft_1_in_flight_ms"]["p50"], TTFT_GOAL)
-        if plain["tokens_per_s_8_in_flight"] and r["http"]["tokens_per_s_8_in_flight"]:
-            goal("http tokens/s at 8 in flight >= 0.98x http-unvalidated",
-                 plain["tokens_per_s_8_in_flight"] / r["http"]["tokens_per_s_8_in_flight"],
-                 1 / THROUGHPUT_GOAL)
-        tag_share = r["http"]["read_validation"].get("tag_read_share")
-        if tag_share is not None:
-            goal("tag READ <= 1% of the data READ", tag_share / 0.01, 1.0)
-    if "https" in r and native:
-        goal("cold https handshake p50 <= 1.5x native zmq", r["https"]["handshake_cold_ms"]
-             ["p50"] / native["handshake_cold_ms"]["p50"], COLD_HTTPS_GOAL)
-    return goals
 
 
 def summary(r: dict[str, Any]) -> str:

@@ -1,0 +1,49 @@
+"""The goals of ``kvbridge bench vllm`` (kvbridge/bench/vllm.py), checked on its results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+COLD_HTTPS_GOAL = 1.5  # cold https handshake <= 1.5x native zmq
+TTFT_GOAL = 1.02  # plug-in P/D TTFT p50 <= 1.02x native
+THROUGHPUT_GOAL = 0.98  # plug-in tokens/s at 8 in flight >= 0.98x native
+
+
+def goals(r: dict[str, Any]) -> list[dict[str, Any]]:
+    native = r.get("native") or {}
+    goals: list[dict[str, Any]] = []
+
+    def goal(text: str, ratio: float, limit: float) -> None:
+        goals.append({"goal": text, "value": f"{ratio:.2f}x", "reached": ratio <= limit})
+
+    for s in ("zmq", "http", "https"):
+        if s in r and native:
+            goal(f"{s} warm handshake p50 <= native", r[s]["handshake_warm_ms"]["p50"]
+                 / native["handshake_warm_ms"]["p50"], 1.0)
+            goal(f"{s} P/D TTFT p50 <= 1.02x native", r[s]["ttft_1_in_flight_ms"]["p50"]
+                 / native["ttft_1_in_flight_ms"]["p50"], TTFT_GOAL)
+            if native["tokens_per_s_8_in_flight"] and r[s]["tokens_per_s_8_in_flight"]:
+                goal(f"{s} tokens/s at 8 in flight >= 0.98x native",
+                     native["tokens_per_s_8_in_flight"] / r[s]["tokens_per_s_8_in_flight"],
+                     1 / THROUGHPUT_GOAL)
+    plain = r.get("http-unvalidated")
+    if plain is not None and "http" in r:  # the cost of READ validation
+        goal("http TTFT p50 <= 1.02x http-unvalidated", r["http"]["ttft_1_in_flight_ms"]["p50"]
+             / plain["ttft_1_in_flight_ms"]["p50"], TTFT_GOAL)
+        if plain["tokens_per_s_8_in_flight"] and r["http"]["tokens_per_s_8_in_flight"]:
+            goal("http tokens/s at 8 in flight >= 0.98x http-unvalidated",
+                 plain["tokens_per_s_8_in_flight"] / r["http"]["tokens_per_s_8_in_flight"],
+                 1 / THROUGHPUT_GOAL)
+        tag_share = r["http"]["read_validation"].get("tag_read_share")
+        if tag_share is not None:
+            goal("tag READ <= 1% of the data READ", tag_share / 0.01, 1.0)
+    busy = r.get("http-busy")
+    if busy is not None and "http" in r and r["http"]["tokens_per_s_8_in_flight"]:
+        # the progress delay (docs/vllm.md §5c): no throughput lost to a sleeping thread
+        goal("http tokens/s at 8 in flight >= 0.98x http-busy",
+             busy["tokens_per_s_8_in_flight"] / r["http"]["tokens_per_s_8_in_flight"],
+             1 / THROUGHPUT_GOAL)
+    if "https" in r and native:
+        goal("cold https handshake p50 <= 1.5x native zmq", r["https"]["handshake_cold_ms"]
+             ["p50"] / native["handshake_cold_ms"]["p50"], COLD_HTTPS_GOAL)
+    return goals
