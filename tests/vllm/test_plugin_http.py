@@ -2,7 +2,7 @@
 protocol, a refused token, kvbridge's proxy in front of the pair found in etcd, a restarted
 prefill. Three vLLM servers for the module: a prefill and a decode registered in a real etcd
 (the same record as ``kvbridge serve --registry``), and a decode with the wrong token, stopped
-after its test (an idle vLLM CPU worker polls its queue and keeps a core busy)."""
+after its test (its memory and core are not needed for the rest)."""
 
 from __future__ import annotations
 
@@ -101,8 +101,7 @@ def test_wrong_token_is_refused_fast_and_the_prefill_keeps_serving(servers, cert
         took = time.monotonic() - start
         log = wrong.log_text()
     finally:
-        # Done with it: an idle vLLM CPU worker polls its queue and would keep a core busy
-        # for the rest of the module (the restart below).
+        # Done with it: the restart below needs its core and memory more.
         wrong.stop()
     # vLLM's kv_load_failure_policy "fail": the request ends in an error, not a hang.
     failed = r.status_code != 200 or r.json()["choices"][0].get("finish_reason") == "error"
