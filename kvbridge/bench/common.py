@@ -12,9 +12,7 @@ import sys
 import time
 from typing import Any
 
-from kvbridge.testing.procfs import instance_rss_mib
-
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
+from kvbridge.testing.procfs import cpu_seconds, instance_rss_mib
 
 
 def progress(msg: str) -> None:
@@ -79,11 +77,7 @@ class Child:
 def proc_stats(pid: int) -> dict[str, float]:
     """CPU seconds (utime + stime) and peak RSS (``VmHWM``, MiB) of a process, and the
     current RSS of its instance (``kvbridge.testing.procfs.instance_rss_mib``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        # fields after the command name (which may contain spaces) start at index 2
-        rest = f.read().rsplit(")", 1)[1].split()
-    cpu = (int(rest[11]) + int(rest[12])) / _CLK_TCK
-    out = {"cpu_seconds": cpu, "peak_rss_mib": float("nan"), "rss_mib": float("nan")}
+    out = {"cpu_seconds": cpu_seconds(pid), "peak_rss_mib": float("nan"), "rss_mib": float("nan")}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):

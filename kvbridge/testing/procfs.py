@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["group_cpu_seconds", "instance_rss_mib"]
+__all__ = ["cpu_seconds", "group_cpu_seconds", "instance_rss_mib"]
 
 
 def _vm_rss_kib(pid: int) -> int:
@@ -32,19 +32,32 @@ def instance_rss_mib(pid: int) -> float:
     return total / 1024
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int | str) -> list[str]:
+    """``/proc/PID/stat``'s fields after the command name (which may hold spaces and
+    parentheses): ``[0]`` state, ``[2]`` process group, ``[11]`` utime, ``[12]`` stime."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (utime + stime, every thread) the process ``pid`` used so far."""
+    rest = _stat_fields(pid)
+    return (int(rest[11]) + int(rest[12])) / _CLK_TCK
+
+
 def group_cpu_seconds(pgid: int) -> float:
     """CPU seconds (utime + stime, every thread) used so far by the live processes of the
     process group ``pgid`` (a vLLM server: API server, engine core, workers)."""
-    tick = os.sysconf("SC_CLK_TCK")
     total = 0
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            # the fields after the command name (which may hold spaces and parentheses)
-            rest = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            rest = _stat_fields(entry.name)
         except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
             continue
         if int(rest[2]) == pgid:
             total += int(rest[11]) + int(rest[12])
-    return total / tick
+    return total / _CLK_TCK
