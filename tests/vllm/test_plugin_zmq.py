@@ -77,6 +77,7 @@ def test_an_idle_plugin_spins_no_core_where_stock_vllm_spins_one(servers):
     took = time.monotonic() - start
     used = {s.name: (group_cpu_seconds(s.proc.pid) - before[s.name]) / took
             for s in (stock, plugin)}
+    print(f"idle CPU-seconds per second: {used}")  # the figure docs/vllm.md §5c cites
     assert used["plugin-a"] < 0.25, used  # was a whole core, as stock's
     assert used["stock"] > 2 * used["plugin-a"], used
 
