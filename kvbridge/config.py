@@ -103,6 +103,7 @@ class SideChannelConfig:
     tokens_file: str | None = None
     ssl_allowed_peers: str | None = None
     audit_log: str | None = None
+    side_channel_isolation: str = _d("side_channel_isolation")
     side_channel_keep_alive_timeout: float = _d("side_channel_keep_alive_timeout")
     budget: ConnectionBudget | None = field(default=None, repr=False)
 

@@ -98,6 +98,10 @@ class WorkerDiedError(KVBridgeError, RuntimeError):
     """A TP worker process exited or stopped answering; the engine cannot continue."""
 
 
+class SideChannelError(KVBridgeError, RuntimeError):
+    """The side-channel process could not start, or is down."""
+
+
 class NodeError(KVBridgeError, RuntimeError):
     """A node of a multi-node instance did not join in time, or is gone."""
 

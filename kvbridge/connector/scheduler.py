@@ -17,6 +17,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvbridge.config import DEFAULT_LEASE_SECONDS, METHODS, SideChannelConfig
@@ -36,7 +37,7 @@ from kvbridge.errors import (
     InvalidKVTransferParams,
     LoadFailure,
 )
-from kvbridge.handshake import HandshakeServer, MetadataStore, make_client, make_server
+from kvbridge.handshake import HandshakeServer, MetadataStore, make_client, side_channel
 from kvbridge.kv_tags import block_tags
 from kvbridge.metadata import Compat, decode_rank
 from kvbridge.metrics import Metrics
@@ -92,18 +93,24 @@ class NixlSchedulerConnector:
 
     # -- side channel ----------------------------------------------------------------------
 
-    def start_side_channel(self, compat: Compat, worker_metadata: list[bytes]) -> HandshakeServer:
-        """Serve every worker's metadata (gathered by the head) on one port."""
+    def start_side_channel(self, compat: Compat, worker_metadata: list[bytes],
+                           rank_hosts: dict[int, str] | None = None,
+                           health: Callable[[], str | None] | None = None) -> HandshakeServer:
+        """Serve every worker's metadata (gathered by the head) on one port, in a process
+        of its own unless ``side_channel_isolation`` is ``thread``. ``rank_hosts``: where
+        each rank lives (shown in the JSON view); ``health``: why the instance cannot serve
+        KV now (None: it can)."""
         self.compat = compat
         self.store = MetadataStore(compat, self.tp_size)
+        self.store.rank_hosts = dict(rank_hosts or {})
         for raw in worker_metadata:
             meta = decode_rank(raw)
             if meta.engine_id != self.engine_id or meta.epoch != self.epoch:
                 raise ValueError(f"worker {meta.tp_rank} reports engine {meta.engine_id} "
                                  f"epoch {meta.epoch}, expected {self.engine_id} {self.epoch}")
             self.store.set_rank(meta)
-        self.server = make_server(self.side_channel, self.store,
-                                  observer=self.metrics.observe_side_channel)
+        self.server = side_channel(self.side_channel, self.store,
+                                   observer=self.metrics.observe_side_channel, health=health)
         self.server.start()
         return self.server
 

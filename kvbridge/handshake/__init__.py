@@ -23,6 +23,7 @@ the package: errors, config, guard, metadata, net, background, registry):
 from __future__ import annotations
 
 from kvbridge.handshake.base import HandshakeClient, HandshakeServer, MetadataStore
-from kvbridge.handshake.factory import make_client, make_server
+from kvbridge.handshake.factory import make_client, make_server, side_channel
 
-__all__ = ["HandshakeClient", "HandshakeServer", "MetadataStore", "make_client", "make_server"]
+__all__ = ["HandshakeClient", "HandshakeServer", "MetadataStore", "make_client", "make_server",
+           "side_channel"]

@@ -68,6 +68,18 @@ class MetadataStore:
         self._lock = threading.Lock()
         self._encoded: dict[int | None, bytes] = {}
 
+    def __getstate__(self) -> dict:
+        # What a side-channel process needs (kvbridge.handshake.control): not the lock, and
+        # not ``health``, a callable of the parent (it forwards the answers instead).
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["health"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def set_rank(self, meta: RankMetadata) -> None:
         if not 0 <= meta.tp_rank < self.tp_size or meta.tp_size != self.tp_size:
             raise ValueError(f"rank {meta.tp_rank}/{meta.tp_size} does not fit tp_size "
@@ -131,6 +143,11 @@ class HandshakeServer(ABC):
 
     @abstractmethod
     def stop(self) -> None: ...
+
+    def payloads_changed(self, payloads: dict[tuple[int, int], bytes]) -> None:
+        """The store's payloads changed to ``payloads`` (a republish): for servers that
+        serve more than the store (etcd's record, vLLM's wire)."""
+        return None
 
     def __enter__(self) -> HandshakeServer:
         self.start()

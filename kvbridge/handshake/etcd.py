@@ -134,6 +134,9 @@ class EtcdHandshakeServer(HandshakeServer):
         except RegistryError as e:
             log.warning("etcd side channel: republish delayed: %s", e)
 
+    def payloads_changed(self, payloads: dict[tuple[int, int], bytes]) -> None:
+        self.republish()
+
     def _put_again(self) -> None:
         with self._publish_lock:
             lease = self._lease

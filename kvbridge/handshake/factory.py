@@ -5,12 +5,16 @@ the client-certificate allow-list, the audit log, TLS, ``max_message_bytes``, th
 
 What differs is only what the ``zmq`` method speaks: kvbridge's own messages by default,
 or another wire on the same settings (the plug-in's: vLLM's own, ``kvbridge.vllm.wire``),
-passed as ``zmq=``.
+named by ``wire=`` (or passed as ``zmq=``).
+
+``side_channel`` is what serve and the plug-in start: the server in a process of its own
+(``kvbridge.handshake.process``) or, with ``side_channel_isolation: thread``, in this one.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -25,7 +29,10 @@ from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer
 from kvbridge.metadata import Compat
 from kvbridge.net import bind_error
 
-__all__ = ["ZmqServerMaker", "make_client", "make_server"]
+__all__ = ["WIRES", "ZmqServerMaker", "make_client", "make_server", "side_channel"]
+
+# What the zmq method can speak: kvbridge's messages, or vLLM's own (kvbridge.vllm.wire).
+WIRES = ("kvbridge", "vllm")
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +43,44 @@ class ZmqServerMaker(Protocol):
     """Builds the ``zmq`` method's server from what the settings say (not started)."""
 
     def __call__(self, host: str, port: int, *, token: str | None, observer: Observer | None,
-                 budget: ConnectionBudget) -> HandshakeServer: ...
+                 budget: ConnectionBudget, sock: socket.socket | None = None
+                 ) -> HandshakeServer: ...
+
+
+def side_channel(config: SideChannelConfig, store: MetadataStore, port: int | None = None,
+                 observer: Observer | None = None, *, wire: str = "kvbridge",
+                 health: Callable[[], str | None] | None = None) -> HandshakeServer:
+    """The side-channel server an instance starts (not started): in a process of its own
+    unless ``config.side_channel_isolation`` is ``thread``. ``health``: why the instance
+    cannot serve KV now (None: it can); the side channel answers 503 meanwhile."""
+    if config.side_channel_isolation == "process":
+        from kvbridge.handshake.process import SideChannelProcess
+
+        return SideChannelProcess(config, store, port, observer, wire=wire, health=health)
+    store.health = health
+    return make_server(config, store, port, observer, wire=wire)
 
 
 def make_server(config: SideChannelConfig, store: MetadataStore,
                 port: int | None = None, observer: Observer | None = None, *,
-                zmq: ZmqServerMaker | None = None) -> HandshakeServer:
-    """The side-channel server for ``config.handshake_method`` (not started). ``zmq``:
-    the ``zmq`` method's server (default: kvbridge's, serving ``store``).
+                zmq: ZmqServerMaker | None = None, wire: str = "kvbridge",
+                sock: socket.socket | None = None) -> HandshakeServer:
+    """The side-channel server for ``config.handshake_method`` (not started), in this
+    process. ``zmq``: the ``zmq`` method's server (default: the one ``wire`` names;
+    kvbridge's serves ``store``, vLLM's the payloads of a ``PayloadStore``). ``sock``: a
+    listening socket to serve (default: ``port`` bound now).
 
     A port that cannot be bound (in use, foreign address) raises ``ConfigError``.
     """
     port = config.side_channel_port if port is None else port
+    if zmq is None and wire == "vllm":
+        from kvbridge.handshake.payloads import PayloadStore
+        from kvbridge.vllm.wire import vllm_wire_server
+
+        assert isinstance(store, PayloadStore), "vLLM's wire serves opaque payloads"
+        zmq = vllm_wire_server(store.payloads()[0])
+    elif wire not in WIRES:
+        raise ValueError(f"unknown wire {wire!r}: one of {', '.join(WIRES)}")
     try:
         if config.handshake_method == "etcd":
             from kvbridge.handshake.etcd import EtcdHandshakeServer
@@ -57,15 +90,16 @@ def make_server(config: SideChannelConfig, store: MetadataStore,
             return HttpHandshakeServer(store, config.side_channel_host, port,
                                        token=config.token, tls=config.tls, observer=observer,
                                        authz=Authorizer.from_config(config),
-                                       budget=config.server_budget)
+                                       budget=config.server_budget, sock=sock)
         if config.tls.enabled:
             log.warning("TLS settings do not apply to the zmq side channel: metadata and token "
                         "travel in clear (use --handshake http for TLS)")
         if zmq is None:
             return ZmqHandshakeServer(store, config.side_channel_host, port, token=config.token,
-                                      observer=observer, budget=config.server_budget)
+                                      observer=observer, budget=config.server_budget,
+                                      sock=sock)
         return zmq(config.side_channel_host, port, token=config.token, observer=observer,
-                   budget=config.server_budget)
+                   budget=config.server_budget, sock=sock)
     except OSError as e:  # a bind fails as ConfigError already (net.listen_socket); other errors too
         raise bind_error(config.side_channel_host, port, SIDE_CHANNEL_PORT_SETTING, e) from None
 

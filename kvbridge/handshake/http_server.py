@@ -147,14 +147,16 @@ class HttpHandshakeServer(HandshakeServer):
     def __init__(self, store: MetadataStore, host: str, port: int, *, token: str | None = None,
                  tls: TLSConfig | None = None, limit_concurrency: int = 2048,
                  observer: Observer | None = None, budget: ConnectionBudget | None = None,
-                 authz: Authorizer | None = None, setting: str = SIDE_CHANNEL_PORT_SETTING):
-        """``setting`` names what chose the port, for the error when it cannot be bound."""
+                 authz: Authorizer | None = None, setting: str = SIDE_CHANNEL_PORT_SETTING,
+                 sock: socket.socket | None = None):
+        """``setting`` names what chose the port, for the error when it cannot be bound.
+        ``sock``: a listening socket to serve instead (``host`` and ``port`` unused)."""
         self._authz = authz or Authorizer.token_only(token)
         self._app = build_app(store, token, observer, self._authz)
         self._tls = tls or TLSConfig()
         # Bind now so the port is known (port 0 = ephemeral) and connections that
         # arrive before uvicorn runs wait in the backlog instead of being refused.
-        self._sock = listen_socket(host, port, setting)
+        self._sock = listen_socket(host, port, setting) if sock is None else sock
         # Side-channel peers reconnect rarely: keep their connections longer than the API's.
         self._budget = budget or ConnectionBudget.load(side_channel=True)
         # Above the guard's cap, so the guard evicts idle connections before uvicorn 503s.

@@ -49,17 +49,44 @@ class PayloadStore(MetadataStore):
         self.pp_size = pp_size
         self.describe = describe
         self._payloads: dict[Rank, bytes] = {}
+        # Each payload's JSON view, made once per change (and so carried to a side-channel
+        # process, which need not import what ``describe`` does).
+        self._described: dict[Rank, dict[str, Any]] = {}
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["describe"] = None
+        return state
 
     def set_rank(self, meta: object) -> None:  # a RankMetadata has no place here
         raise TypeError("PayloadStore holds opaque payloads: use set_payloads")
 
-    def set_payloads(self, payloads: dict[Rank, bytes]) -> None:
+    def set_payloads(self, payloads: dict[Rank, bytes],
+                     described: dict[Rank, dict[str, Any]] | None = None) -> None:
+        """Serve ``payloads`` from now on (each given rank replaced). ``described``: their
+        JSON views, made elsewhere (default: by ``describe``, if any)."""
         for pp, tp in payloads:
             if not (0 <= pp < self.pp_size and 0 <= tp < self.tp_size):
                 raise ValueError(f"rank (pp {pp}, tp {tp}) does not fit pp_size {self.pp_size} "
                                  f"tp_size {self.tp_size}")
+        if described is None:
+            described = {rank: self._describe(p) for rank, p in payloads.items()}
         with self._lock:
             self._payloads.update(payloads)
+            self._described.update(described)
+
+    def payloads(self) -> tuple[dict[Rank, bytes], dict[Rank, dict[str, Any]]]:
+        """Every rank's payload and JSON view, as held now (copies)."""
+        with self._lock:
+            return dict(self._payloads), dict(self._described)
+
+    def _describe(self, payload: bytes) -> dict[str, Any]:
+        if self.describe is None:
+            return {"payload": base64.b64encode(payload).decode()}
+        try:
+            return self.describe(payload)
+        except Exception as e:  # the view must not fail on what it only shows
+            return {"describe_error": f"{type(e).__name__}: {e}"}
 
     @property
     def expected(self) -> int:
@@ -94,17 +121,12 @@ class PayloadStore(MetadataStore):
     def json_view(self, tp_rank: int | None) -> dict:
         with self._lock:
             ranks = self._select(tp_rank)
+            described = dict(self._described)
         out = []
         for r in ranks:
             item: dict[str, Any] = {"pp_rank": r.pp_rank, "tp_rank": r.tp_rank,
                                     "payload_bytes": len(r.payload)}
-            if self.describe is not None:
-                try:
-                    item.update(self.describe(r.payload))
-                except Exception as e:  # the view must not fail on what it only shows
-                    item["describe_error"] = f"{type(e).__name__}: {e}"
-            else:
-                item["payload"] = base64.b64encode(r.payload).decode()
+            item.update(described.get((r.pp_rank, r.tp_rank), {}))
             out.append(item)
         return {"payload_schema": PAYLOAD_SCHEMA_VERSION, "kind": self.kind,
                 "engine_id": self.engine_id, "epoch": self.epoch, "tp_size": self.tp_size,

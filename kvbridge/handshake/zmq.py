@@ -11,6 +11,7 @@ message can make them hold: a request of at most ``MAX_REQUEST_BYTES``, a reply 
 from __future__ import annotations
 
 import logging
+import socket
 
 import msgspec
 
@@ -63,12 +64,13 @@ class ZmqHandshakeServer(HandshakeServer):
 
     def __init__(self, store: MetadataStore, host: str, port: int, *, token: str | None = None,
                  observer: Observer | None = None, budget: ConnectionBudget | None = None,
-                 setting: str = SIDE_CHANNEL_PORT_SETTING):
-        """``setting`` names what chose the port, for the error when it cannot be bound."""
+                 setting: str = SIDE_CHANNEL_PORT_SETTING, sock: socket.socket | None = None):
+        """``setting`` names what chose the port, for the error when it cannot be bound.
+        ``sock``: a listening socket to serve instead (``host`` and ``port`` unused)."""
         self._store = store
         self._observer = observer
         self._token = token
-        self._sock = listen_socket(host, port, setting)
+        self._sock = listen_socket(host, port, setting) if sock is None else sock
         self._port = self._sock.getsockname()[1]
         # A request is a delimiter and a payload of at most MAX_REQUEST_BYTES.
         self._listener = ZmtpListener(self._sock, self._answer,

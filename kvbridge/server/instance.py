@@ -136,12 +136,11 @@ class Instance:
             self.compat = compat_of(identity, decode_rank(metas[0]).kv)
             self.connector.compat = self.compat
             if opts.role in ("prefill", "both"):
-                server = self.connector.start_side_channel(self.compat, metas)
-                assert self.connector.store is not None
                 here = opts.side_channel.advertised  # ranks on this host (all, on one node)
-                self.connector.store.rank_hosts = {
-                    r: h or here for r, h in enumerate(engine.workers.rank_hosts)}
-                self.connector.store.health = self.health_problem
+                server = self.connector.start_side_channel(
+                    self.compat, metas,
+                    rank_hosts={r: h or here for r, h in enumerate(engine.workers.rank_hosts)},
+                    health=self.health_problem)
                 log.info("side channel (%s) on %s:%d, advertised as %s", server.method,
                          opts.side_channel.side_channel_host, server.port,
                          opts.side_channel.advertised)

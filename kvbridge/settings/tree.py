@@ -139,6 +139,14 @@ SETTINGS = Tree([
         "outcome (100 at once, then 10 a second); a `suppressed` line counts those dropped. "
         "Unset: off.", "KVBRIDGE_AUDIT_LOG",
         flag="--audit-log", rule="opened at start (append)"),
+    _sc("side_channel_isolation", str, "process",
+        "Where the side-channel server runs: `process`, a process of its own that the "
+        "instance (or vLLM's engine core) starts, hands its metadata and restarts with "
+        "backoff if it dies, and that exits with it ([running.md](running.md), \"The "
+        "side-channel process\"); or `thread`, a thread of the instance's own process (for "
+        "embedding and debugging).",
+        "KVBRIDGE_SIDE_CHANNEL_ISOLATION", flag="--side-channel-isolation",
+        choices=("process", "thread")),
     _sc("side_channel_keep_alive_timeout", float, 30.0,
         "Seconds the side channel keeps an idle keep-alive connection (its own setting: "
         "`keep_alive_timeout` is the other servers').",

@@ -1,7 +1,7 @@
 """``KVBridgeScheduler``: vLLM's pull scheduler whose handshake listener is kvbridge's
-side-channel server for ``handshake_method`` (the port actually bound is what
-``kv_transfer_params`` advertise; a second ``set_xfer_handshake_metadata``, vLLM 0.33 after
-a wake-up, republishes), which registers the instance in etcd with ``api_url``, and which
+side-channel server for ``handshake_method``, in a process of its own (the port actually
+bound is what ``kv_transfer_params`` advertise; a second ``set_xfer_handshake_metadata``,
+vLLM 0.33 after a wake-up, republishes), which registers the instance in etcd with ``api_url``, and which
 names the block tags each step writes (kvbridge.vllm.validation) and gives every hold a key
 (kvbridge.vllm.holds)."""
 
@@ -18,13 +18,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 )
 
 from kvbridge.handshake.base import HandshakeServer
-from kvbridge.handshake.factory import make_server
+from kvbridge.handshake.factory import side_channel
 from kvbridge.handshake.payloads import PayloadStore, Rank
 from kvbridge.vllm.holds import KEY_PARAM, new_key
 from kvbridge.vllm.payload import PAYLOAD_KIND, describe_payload, log, payload_decoder, validating
 from kvbridge.vllm.settings import PluginSettings
 from kvbridge.vllm.validation import TagWriter
-from kvbridge.vllm.wire import VllmZmqServer, vllm_wire_server
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -162,27 +161,19 @@ class KVBridgeScheduler(NixlPullConnectorScheduler):
     def _kvbridge_make_server(self, payloads: dict[Rank, bytes], port: int
                               ) -> tuple[HandshakeServer, Callable[[dict[Rank, bytes]], None]]:
         """The server for ``handshake_method``, built as ``kvbridge serve`` builds its own
-        (``kvbridge.handshake.factory``: budget and keep-alive, named tokens, allow-list,
-        audit log, TLS), and how to hand it new payloads."""
+        (``kvbridge.handshake.factory``: in a process of its own unless
+        ``side_channel_isolation`` is ``thread``; budget and keep-alive, named tokens,
+        allow-list, audit log, TLS), and how to hand it new payloads."""
         sc = self.kvbridge_settings.side_channel
         pp_size = self.vllm_config.parallel_config.pipeline_parallel_size
         store = PayloadStore(PAYLOAD_KIND, self.engine_id, self.kvbridge_epoch,
                              tp_size=self.transfer_tp_size, pp_size=pp_size,
                              describe=describe_payload)
-        if sc.handshake_method != "zmq":  # vLLM's wire serves the payloads itself
-            store.set_payloads(payloads)
-        server = make_server(sc, store, port, zmq=vllm_wire_server(payloads))
-        if isinstance(server, VllmZmqServer):
-            return server, server.set_payloads
-        if sc.handshake_method == "etcd":
-            from kvbridge.handshake.etcd import EtcdHandshakeServer
+        store.set_payloads(payloads)
+        server = side_channel(sc, store, port, wire="vllm")
 
-            assert isinstance(server, EtcdHandshakeServer)
-            etcd_server = server
+        def republish(new: dict[Rank, bytes]) -> None:
+            store.set_payloads(new)
+            server.payloads_changed(new)  # etcd's record, vLLM's wire, the process
 
-            def republish(new: dict[Rank, bytes]) -> None:
-                store.set_payloads(new)
-                etcd_server.republish()  # the record in etcd, not only the store
-
-            return server, republish
-        return server, store.set_payloads
+        return server, republish

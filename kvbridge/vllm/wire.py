@@ -23,6 +23,7 @@ as it arrives (its own ZMTP, ``kvbridge.handshake.zmtp_client``).
 from __future__ import annotations
 
 import math
+import socket
 import time
 
 import msgspec
@@ -61,10 +62,11 @@ class VllmZmqServer(HandshakeServer):
 
     def __init__(self, payloads: dict[Rank, bytes], host: str, port: int, *,
                  budget: ConnectionBudget | None = None,
-                 setting: str = SIDE_CHANNEL_PORT_SETTING):
-        """``setting`` names what chose the port, for the error when it cannot be bound."""
+                 setting: str = SIDE_CHANNEL_PORT_SETTING, sock: socket.socket | None = None):
+        """``setting`` names what chose the port, for the error when it cannot be bound.
+        ``sock``: a listening socket to serve instead (``host`` and ``port`` unused)."""
         self._payloads: dict[Rank, bytes] = dict(payloads)
-        self._sock = listen_socket(host, port, setting)
+        self._sock = listen_socket(host, port, setting) if sock is None else sock
         self.requests = 0
         self.refused = 0
         self._listener = ZmtpListener(self._sock, self._answer, max_bytes=MAX_REQUEST_BYTES,
@@ -78,6 +80,9 @@ class VllmZmqServer(HandshakeServer):
         """Serve ``payloads`` from now on (a republish: each given rank is replaced). The
         dict is swapped whole, so a request reads either the old or the new one."""
         self._payloads = {**self._payloads, **payloads}
+
+    def payloads_changed(self, payloads: dict[Rank, bytes]) -> None:
+        self.set_payloads(payloads)  # served from its own dict, not from the store
 
     def start(self) -> None:
         self._listener.start()
@@ -187,9 +192,9 @@ def _no_token(token: str | None) -> None:
 def vllm_wire_server(payloads: dict[Rank, bytes]) -> ZmqServerMaker:
     """The zmq method's server for the factory: ``VllmZmqServer`` serving ``payloads``."""
     def make(host: str, port: int, *, token: str | None, observer: Observer | None,
-             budget: ConnectionBudget) -> HandshakeServer:
+             budget: ConnectionBudget, sock: socket.socket | None = None) -> HandshakeServer:
         _no_token(token)
-        return VllmZmqServer(payloads, host, port, budget=budget)
+        return VllmZmqServer(payloads, host, port, budget=budget, sock=sock)
     return make
 
 

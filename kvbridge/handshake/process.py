@@ -1,0 +1,263 @@
+"""The side channel in a process of its own: ``SideChannelProcess`` starts
+``python -m kvbridge.handshake.child``, hands it what to serve, and keeps it running.
+
+Why a process: a server that shares its interpreter with an engine answers when the
+engine lets it (vLLM's engine core holds the GIL nearly all the time), and a crash or a GC
+pause of one is felt by the other.
+
+* The listening socket is bound here and inherited by the child: the port is known, and a
+  bind error reported, before the child runs; connections that arrive while a child
+  restarts wait in the backlog.
+* The child never outlives this process, however it dies (SIGKILL included): the kernel
+  sends it SIGTERM when the thread that started it ends (``PR_SET_PDEATHSIG``; that thread
+  is the supervisor's, which lives until ``stop``), and its control socket reaches end of
+  file. Either way it closes its sockets and exits.
+* A child that dies is restarted with backoff by ``kvbridge.background.Supervised``; while
+  it waits, ``problem`` says why, ``/health`` of the instance answers 503 naming it, and
+  ``kvbridge_background_thread_up{thread="kvbridge-side-channel"}`` is 0. Requests that
+  need no new handshake never touch it.
+* The store's payloads go to the child at start, and again on every ``payloads_changed``;
+  the instance's health (``health``) is sent whenever it changes. What the child answered
+  comes back to ``observer`` (metrics) every quarter second.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+from kvbridge import errors
+from kvbridge.background import Supervised
+from kvbridge.config import SIDE_CHANNEL_PORT_SETTING, SideChannelConfig
+from kvbridge.errors import SideChannelError
+from kvbridge.handshake.base import HandshakeServer, MetadataStore, Observer
+from kvbridge.handshake.control import Channel, ServerSpec
+from kvbridge.net import listen_socket
+
+__all__ = ["SideChannelProcess"]
+
+log = logging.getLogger(__name__)
+
+HEALTH_POLL = 0.1  # how often the instance's health is looked at (forwarded on change)
+
+
+class SideChannelProcess(HandshakeServer):
+    """A ``HandshakeServer`` whose server runs in a child process (see the module)."""
+
+    def __init__(self, config: SideChannelConfig, store: MetadataStore, port: int | None = None,
+                 observer: Observer | None = None, *, wire: str = "kvbridge",
+                 health: Callable[[], str | None] | None = None, start_timeout: float = 60.0):
+        self.method = config.handshake_method
+        self.store = store
+        self._spec = ServerSpec(config, store, wire, observe=observer is not None)
+        self._observer = observer
+        self._health = health
+        self._start_timeout = start_timeout
+        port = config.side_channel_port if port is None else port
+        # etcd has no socket: the port only names the record (the child picks one for 0)
+        self._sock = None if self.method == "etcd" else listen_socket(
+            config.side_channel_host, port, SIDE_CHANNEL_PORT_SETTING)
+        self._port = port if self._sock is None else self._sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._channel: Channel | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._up = False
+        self._thread = Supervised("kvbridge-side-channel", self._loop, self._stop)
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def pid(self) -> int | None:
+        """The running child's process id (None between children)."""
+        proc = self._proc
+        return None if proc is None or proc.poll() is not None else proc.pid
+
+    @property
+    def problem(self) -> str | None:
+        """Why no child serves now (None: one does)."""
+        if self._thread.down_reason is not None:
+            return self._thread.down_reason
+        return None if self._up else "starting"
+
+    @property
+    def restarts(self) -> int:
+        return self._thread.restarts
+
+    @property
+    def running(self) -> bool:
+        return self.problem is None
+
+    def start(self) -> None:
+        """Start the child and wait until it serves; its start-up error is raised here."""
+        self._thread.start()
+        if not self._ready.wait(self._start_timeout):
+            self.stop()
+            raise SideChannelError(f"the side-channel process did not start within "
+                                   f"{self._start_timeout:g}s")
+        if self._start_error is not None:
+            self.stop()
+            raise self._start_error
+
+    def payloads_changed(self, payloads: dict[tuple[int, int], bytes]) -> None:
+        """The store already holds ``payloads``: send them (and their JSON views)."""
+        held = getattr(self.store, "payloads", None)
+        described = {} if held is None else held()[1]
+        self._send("payloads", payloads, {r: described[r] for r in payloads if r in described})
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._send("stop")
+        proc = self._proc
+        if proc is not None:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.warning("side-channel process %d did not stop: killed", proc.pid)
+                proc.kill()
+                proc.wait()
+        self._thread.join(timeout=5)
+        if self._sock is not None:
+            self._sock.close()
+
+    # -- the supervisor ------------------------------------------------------------------
+
+    def _send(self, *message: object) -> None:
+        channel = self._channel
+        if channel is None:
+            return  # between children: the next one starts from the store as it is then
+        try:
+            channel.send(*message)
+        except OSError:
+            pass  # the child is gone; the supervisor restarts it from the store
+
+    def _loop(self) -> None:
+        """One child, until it ends (``Supervised`` restarts it with backoff)."""
+        why = self._run_child()
+        if not self._ready.is_set():  # the first child failed: start() raises
+            self._ready.set()
+            return
+        if not self._stop.is_set():
+            raise SideChannelError(f"side-channel process {why}")
+
+    def _run_child(self) -> str:
+        """Start one child and serve it until it ends; says how it ended."""
+        ours, theirs = socket.socketpair()
+        fds = [theirs.fileno()] + ([] if self._sock is None else [self._sock.fileno()])
+        cmd = [sys.executable, "-m", "kvbridge.handshake.child",
+               "--control-fd", str(theirs.fileno()), "--parent", str(os.getpid())]
+        if self._sock is not None:
+            cmd += ["--listen-fd", str(self._sock.fileno())]
+        try:
+            proc = subprocess.Popen(cmd, pass_fds=fds, stdin=subprocess.DEVNULL)
+        except OSError as e:
+            ours.close()
+            self._start_error = SideChannelError(f"cannot start the side-channel process: {e}")
+            return f"could not start ({e})"
+        finally:
+            theirs.close()
+        channel = Channel(ours)
+        self._proc = proc
+        try:
+            last = self._handshake(channel, proc)
+            if last is not None:
+                self._serve(channel, last[0])
+        except OSError as e:
+            log.warning("kvbridge side channel: control socket: %s", e)
+        finally:
+            self._channel, self._up = None, False
+            channel.close()
+        try:
+            code = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        return f"{proc.pid} exited with {_status(code)}"
+
+    def _handshake(self, channel: Channel, proc: subprocess.Popen[bytes]
+                   ) -> tuple[str | None] | None:
+        """Hand the child what to serve and wait until it serves: the health it was given
+        (None, and ``_start_error`` set on the first child, if it does not serve)."""
+        try:
+            self._spec.health = health = self._health_now()
+            channel.send("start", self._spec)
+            channel.sock.settimeout(self._start_timeout)
+            first = channel.recv()
+            error = None if first is not None and first[0] == "ready" else _error_of(first, proc)
+        except Exception as e:  # noqa: BLE001 - whatever it is, start() must say it
+            error = SideChannelError(f"the side-channel process did not start: "
+                                     f"{type(e).__name__}: {e}")
+        if error is not None:
+            if not self._ready.is_set():
+                self._start_error = error
+            else:
+                log.warning("kvbridge side channel: %s", error)
+            if proc.poll() is None:
+                proc.kill()
+            return None
+        assert first is not None
+        if self._sock is None:
+            self._port = first[1]
+        self._channel, self._up = channel, True
+        if not self._ready.is_set():
+            log.info("kvbridge side channel: process %d serving %s on port %d", proc.pid,
+                     self.method, self._port)
+            self._ready.set()
+        else:
+            log.warning("kvbridge side channel: process restarted (pid %d)", proc.pid)
+        return (health,)
+
+    def _serve(self, channel: Channel, health: str | None) -> None:
+        """Until the child ends: what it answered to the observer, the instance's health
+        to it whenever it changes."""
+        channel.sock.settimeout(HEALTH_POLL)
+        while True:
+            try:
+                message = channel.recv()
+            except TimeoutError:
+                message = ()
+            if message is None:
+                return
+            if message and message[0] == "observed":
+                self._observed(message[1])
+            now = self._health_now()
+            if now != health:
+                channel.send("health", now)
+                health = now
+
+    def _health_now(self) -> str | None:
+        return None if self._health is None else self._health()
+
+    def _observed(self, counts: dict[tuple[str, int], tuple[int, int]]) -> None:
+        if self._observer is None:
+            return
+        # The observer counts one request per call: the bytes ride on the first.
+        for (route, status), (n, nbytes) in counts.items():
+            self._observer(route, status, nbytes)
+            for _ in range(n - 1):
+                self._observer(route, status, 0)
+
+
+def _status(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"status {code}"
+
+
+def _error_of(message: tuple | None, proc: subprocess.Popen[bytes]) -> BaseException:
+    """The child's start-up error, as the exception type it raised when it is kvbridge's."""
+    if message is None or message[0] != "error":
+        code = proc.poll()
+        return SideChannelError("the side-channel process exited before serving" +
+                                ("" if code is None else f" ({_status(code)})"))
+    _, name, text = message
+    kind = getattr(errors, name, None)
+    if isinstance(kind, type) and issubclass(kind, errors.KVBridgeError):
+        return kind(text)
+    return SideChannelError(f"the side-channel process could not serve: {name}: {text}")

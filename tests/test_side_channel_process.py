@@ -1,0 +1,255 @@
+"""The side channel in a process of its own (kvbridge.handshake.process): real child
+processes serving real clients on loopback, killed for real.
+
+Every method is served from the child with the settings it is given (token, mutual TLS,
+vLLM's wire, etcd); payloads handed again are served; the instance's health and what the
+child answered cross the process boundary; a child that dies is restarted and its absence
+seen; a parent killed with SIGKILL leaves no process and no port behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import textwrap
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from kvbridge import background
+from kvbridge.config import SideChannelConfig
+from kvbridge.errors import AuthError, ConfigError
+from kvbridge.handshake import MetadataStore, make_client, side_channel
+from kvbridge.handshake.payloads import PayloadStore
+from kvbridge.handshake.process import SideChannelProcess
+from kvbridge.net import listen_socket
+from kvbridge.testing.wait import wait_until
+from kvbridge.vllm.wire import VllmZmqClient
+from tests.helpers import compat, rank_meta
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "s3cret-token"
+
+
+def full_store(tp_size: int = 2, ranks: int | None = None) -> MetadataStore:
+    """A plain store (what crosses to the child is its state, not a subclass's)."""
+    store = MetadataStore(compat(), tp_size)
+    for r in range(tp_size if ranks is None else ranks):
+        store.set_rank(rank_meta(r, tp_size))
+    return store
+
+
+def config(method: str = "http", **kw: object) -> SideChannelConfig:
+    return SideChannelConfig.load({"handshake_method": method, "side_channel_host": "127.0.0.1",
+                                   "side_channel_port": 0, **kw}, {})
+
+
+@contextmanager
+def running(server: SideChannelProcess) -> Iterator[SideChannelProcess]:
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def get(port: int, path: str, **headers: str) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only its zombie (nobody here reaps an orphan)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def port_free(port: int) -> bool:
+    listen_socket("127.0.0.1", port, "test").close()
+    return True
+
+
+def test_every_rank_served_from_the_child_with_the_token_checked() -> None:
+    cfg = config(token=TOKEN)
+    with running(side_channel(cfg, full_store(2))) as server:
+        assert isinstance(server, SideChannelProcess) and server.pid != os.getpid()
+        client = make_client(cfg, compat())
+        try:
+            assert [r.tp_rank for r in client.fetch("127.0.0.1", server.port)] == [0, 1]
+        finally:
+            client.close()
+        wrong = make_client(config(token="another"), compat())
+        try:
+            with pytest.raises(AuthError):
+                wrong.fetch("127.0.0.1", server.port)
+        finally:
+            wrong.close()
+        assert get(server.port, "/readyz")[0] == 200
+
+
+def test_readyz_is_true_only_once_every_rank_is_in() -> None:
+    with running(side_channel(config(), full_store(2, ranks=1))) as server:
+        assert get(server.port, "/readyz")[0] == 503
+        assert get(server.port, "/v1/kv/handshake")[0] == 503
+
+
+def test_the_zmq_method_is_served_from_the_child() -> None:
+    cfg = config("zmq", token=TOKEN)
+    with running(side_channel(cfg, full_store(2))) as server:
+        ranks = make_client(cfg, compat()).fetch("127.0.0.1", server.port, 1)
+        assert [r.tp_rank for r in ranks] == [1]
+
+
+def test_vllms_wire_is_served_and_a_republish_reaches_the_child() -> None:
+    store = PayloadStore("vllm-nixl/NixlHandshakePayload", "engine-a", "epoch-1", tp_size=2)
+    store.set_payloads({(0, 0): b"rank-0", (0, 1): b"rank-1"})
+    with running(side_channel(config("zmq"), store, wire="vllm")) as server:
+        client = VllmZmqClient(5.0, 1 << 20)
+        assert client.fetch("127.0.0.1", server.port, [(0, 1)]).payloads == {(0, 1): b"rank-1"}
+        store.set_payloads({(0, 1): b"rank-1-after-wake-up"})
+        server.payloads_changed({(0, 1): b"rank-1-after-wake-up"})
+        wait_until(lambda: client.fetch("127.0.0.1", server.port, [(0, 1)]).payloads[0, 1]
+                   == b"rank-1-after-wake-up", 10, "the republished payload served")
+
+
+def test_https_with_mutual_tls_is_served_from_the_child(certs: Path) -> None:
+    tls = {"ssl_certfile": str(certs / "prefill.pem"), "ssl_keyfile": str(certs / "prefill.key"),
+           "ssl_ca_certs": str(certs / "ca.pem"), "ssl_cert_reqs": "required"}
+    with running(side_channel(config(**tls), full_store(1))) as server:
+        good = make_client(config(ssl_certfile=str(certs / "decode.pem"),
+                                  ssl_keyfile=str(certs / "decode.key"),
+                                  ssl_ca_certs=str(certs / "ca.pem")), compat())
+        try:
+            assert [r.tp_rank for r in good.fetch("127.0.0.1", server.port)] == [0]
+        finally:
+            good.close()
+        ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))  # no client cert
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(f"https://127.0.0.1:{server.port}/v1/kv/handshake",
+                                   context=ctx, timeout=5).read()
+
+
+def test_etcd_is_published_from_the_child(etcd) -> None:
+    cfg = config("etcd", registry=etcd.url)
+    with running(side_channel(cfg, full_store(2))) as server:
+        client = make_client(cfg, compat())
+        try:
+            ranks = wait_until(lambda: client.fetch("127.0.0.1", server.port), 20,
+                               "the metadata in etcd")
+        finally:
+            client.close()
+        assert [r.tp_rank for r in ranks] == [0, 1]
+
+
+def test_the_instances_health_reaches_the_child() -> None:
+    problem: list[str | None] = ["engine is not running: test"]
+    with running(side_channel(config(), full_store(2), health=lambda: problem[0])) as server:
+        status, body = get(server.port, "/v1/kv/handshake")
+        assert status == 503 and b"engine is not running: test" in body
+        assert get(server.port, "/readyz")[0] == 503
+        problem[0] = None
+        wait_until(lambda: get(server.port, "/readyz")[0] == 200, 10, "ready once healthy")
+
+
+def test_what_the_child_answered_reaches_the_observer() -> None:
+    seen: list[tuple[str, int, int]] = []
+    with running(side_channel(config(), full_store(2), observer=lambda *a: seen.append(a))
+                 ) as server:
+        for _ in range(3):
+            assert get(server.port, "/v1/kv/handshake/1")[0] == 200
+        assert get(server.port, "/v1/kv/handshake/9")[0] == 404
+        wait_until(lambda: len(seen) >= 4, 10, "four requests observed", message=lambda: seen)
+    ok = [s for s in seen if s[:2] == ("handshake_rank", 200)]
+    assert len(ok) == 3 and sum(s[2] for s in ok) > 0
+    assert [s[:2] for s in seen if s[1] == 404] == [("handshake_rank", 404)]
+
+
+def test_a_killed_child_is_restarted_and_seen_down_meanwhile() -> None:
+    with running(side_channel(config(), full_store(2))) as server:
+        first = server.pid
+        assert first is not None and server.problem is None
+        os.kill(first, signal.SIGKILL)
+        # down: the instance's /health names it (background.down), until the restart
+        reason = wait_until(lambda: background.down().get("kvbridge-side-channel"), 10,
+                            "the side channel seen down")
+        assert f"process {first} exited with signal 9" in reason
+        wait_until(lambda: server.problem is None and server.pid not in (None, first), 10,
+                   "a new child serving")
+        assert server.restarts == 1
+        assert get(server.port, "/v1/kv/handshake")[0] == 200
+        assert "kvbridge-side-channel" not in background.down()
+
+
+def test_a_child_that_cannot_start_says_why_at_start(tmp_path: Path) -> None:
+    cfg = config(ssl_certfile=str(tmp_path / "missing.pem"),
+                 ssl_keyfile=str(tmp_path / "missing.key"))
+    server = side_channel(cfg, full_store(1))
+    with pytest.raises(Exception, match="missing.pem|No such file"):
+        server.start()
+    assert server.pid is None
+
+
+def test_a_port_in_use_is_refused_before_any_child_starts() -> None:
+    taken = listen_socket("127.0.0.1", 0, "test")
+    try:
+        with pytest.raises(ConfigError, match="already in use.*KVBRIDGE_SIDE_CHANNEL_PORT"):
+            side_channel(config(side_channel_port=taken.getsockname()[1]), full_store(1))
+    finally:
+        taken.close()
+
+
+def test_stop_ends_the_child_and_frees_the_port() -> None:
+    server = side_channel(config(), full_store(1))
+    with running(server):
+        pid, port = server.pid, server.port
+    assert pid is not None and gone(pid)
+    assert port_free(port)
+
+
+PARENT = textwrap.dedent("""
+    import json, sys
+    from kvbridge.config import SideChannelConfig
+    from kvbridge.handshake import side_channel
+    from tests.test_side_channel_process import full_store
+    cfg = SideChannelConfig.load({"handshake_method": sys.argv[1],
+                                  "side_channel_host": "127.0.0.1", "side_channel_port": 0}, {})
+    server = side_channel(cfg, full_store(2))
+    server.start()
+    print(json.dumps({"port": server.port, "pid": server.pid}), flush=True)
+    sys.stdin.read()
+""")
+
+
+@pytest.mark.parametrize("method", ["http", "zmq"])
+def test_a_parent_killed_with_sigkill_leaves_no_process_and_no_port(method: str) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, method], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        info = json.loads(parent.stdout.readline())
+        assert not gone(info["pid"])
+        if method == "http":
+            assert get(info["port"], "/readyz")[0] == 200
+        parent.kill()
+        parent.wait()
+        wait_until(lambda: gone(info["pid"]), 10, "the child gone with its parent")
+        assert port_free(info["port"])
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
