@@ -31,6 +31,7 @@ from kvbridge.handshake import MetadataStore, make_client, side_channel
 from kvbridge.handshake.payloads import PayloadStore
 from kvbridge.handshake.process import SideChannelProcess
 from kvbridge.net import listen_socket
+from kvbridge.testing.procfs import gone
 from kvbridge.testing.wait import wait_until
 from kvbridge.vllm.wire import VllmZmqClient
 from tests.helpers import compat, rank_meta
@@ -68,15 +69,6 @@ def get(port: int, path: str, **headers: str) -> tuple[int, bytes]:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
-
-
-def gone(pid: int) -> bool:
-    """No such process, or only its zombie (nobody here reaps an orphan)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")
 
 
 def port_free(port: int) -> bool:

@@ -11,6 +11,11 @@ up front, and uvicorn discards what an answered request still sends, for as long
 client sends it. Past the limit the request is answered 413 (unless the app already
 answered) and the connection closed.
 
+A request ``responder`` can answer (``kvbridge.handshake.http_fast``: a handshake, the
+probes) is answered here, from the parsed head, without an ASGI task; any other goes to the
+app as before. Requests answered in order: one waits behind an app request still running
+on its connection (HTTP pipelining) by going to the app too.
+
 A refused connection lingers before it closes: closed with the client's bytes still
 arriving, it would be reset, and the client might never read the answer. What it sends
 meanwhile is dropped, up to ``LINGER_BYTES`` or ``LINGER_SECONDS``.
@@ -25,6 +30,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from kvbridge.errors import error_body
 from kvbridge.guard import PEER_CERT
 from kvbridge.handshake.base import MAX_REQUEST_BYTES
+from kvbridge.handshake.http_fast import Answer, Responder
 
 
 def _reply(status: bytes, message: str) -> bytes:
@@ -47,6 +53,7 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
 
     head_limit = MAX_REQUEST_BYTES
     body_limit = MAX_REQUEST_BYTES
+    responder: Responder | None = None  # set on a server's own subclass
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -58,6 +65,7 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
         self._dropped = 0  # bytes dropped since the refusal
         self._refusal = _431  # the answer a refused request gets, if none was sent
         self._app_has_it = False  # this request's head went to the app
+        self._fast: tuple[Answer, bool] | None = None  # answered here: (answer, keep-alive)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:  # lingering: dropped
@@ -115,10 +123,35 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if not self._refused:  # a refused request never reaches the app
-            self.scope[PEER_CERT] = self._peer_cert()  # type: ignore[literal-required]
-            super().on_headers_complete()
-            self._app_has_it = True
+        if self._refused:  # a refused request never reaches the app
+            return
+        cert = self.scope[PEER_CERT] = self._peer_cert()  # type: ignore[literal-required]
+        idle = self.cycle is None or self.cycle.response_complete
+        if self.responder is not None and idle and not self.parser.should_upgrade():
+            answer = self.responder(self.parser.get_method(), self.url, self.headers, cert,
+                                    self.client)
+            if answer is not None:
+                keep = (self.parser.get_http_version() != "1.0"
+                        and self.parser.should_keep_alive())
+                self._fast = (answer, keep)
+                return
+        super().on_headers_complete()
+        self._app_has_it = True
+
+    def _answer_here(self, answer: Answer, keep_alive: bool) -> None:
+        """Write an answer of ``responder``'s and end the request as uvicorn's cycle does."""
+        status, rest = answer
+        parts = [status]
+        for name, value in self.server_state.default_headers:
+            parts += [name, b": ", value, b"\r\n"]
+        if not keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(rest)
+        self.transport.write(b"".join(parts))
+        if keep_alive:
+            self.on_response_complete()  # the keep-alive timer, the guard's idle state
+        else:
+            self.transport.close()
 
     def _peer_cert(self) -> dict | None:
         if not hasattr(self, "_cert"):
@@ -128,7 +161,7 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
         return self._cert
 
     def on_body(self, body: bytes) -> None:
-        if self._refused:
+        if self._refused or self._fast is not None:  # (responder answers no request with a body)
             return
         self._body += len(body)
         if self._body > self.body_limit:
@@ -137,5 +170,10 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
         super().on_body(body)
 
     def on_message_complete(self) -> None:
-        if not self._refused:
+        fast, self._fast = self._fast, None
+        if self._refused:
+            return
+        if fast is not None:
+            self._answer_here(*fast)
+        else:
             super().on_message_complete()

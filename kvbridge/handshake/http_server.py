@@ -28,6 +28,7 @@ from kvbridge.errors import error_body
 from kvbridge.guard import ConnectionBudget, GuardedServer, guarded_protocol
 from kvbridge.handshake.authz import Authorizer
 from kvbridge.handshake.base import MAX_REQUEST_BYTES, HandshakeServer, MetadataStore, Observer
+from kvbridge.handshake.http_fast import responder
 from kvbridge.handshake.http_protocol import PEER_CERT, HeadLimitedHttpTools
 from kvbridge.handshake.http_routes import MSGPACK, PATH, route_name
 from kvbridge.net import listen_socket
@@ -153,6 +154,10 @@ class HttpHandshakeServer(HandshakeServer):
         ``sock``: a listening socket to serve instead (``host`` and ``port`` unused)."""
         self._authz = authz or Authorizer.token_only(token)
         self._app = build_app(store, token, observer, self._authz)
+        # Handshakes and probes answered in the protocol, the rest by the app (http_fast).
+        self._protocol = type("SideChannelHttpTools", (HeadLimitedHttpTools,),
+                              {"responder": staticmethod(responder(store, self._authz,
+                                                                   observer))})
         self._tls = tls or TLSConfig()
         # Bind now so the port is known (port 0 = ephemeral) and connections that
         # arrive before uvicorn runs wait in the backlog instead of being refused.
@@ -187,7 +192,7 @@ class HttpHandshakeServer(HandshakeServer):
             # httptools on uvloop: several times the requests per core of h11 on asyncio,
             # and TLS in C rather than asyncio's Python layer (kvbridge bench sidechannel,
             # handshake; BENCHMARKS.md).
-            http=guarded_protocol(HeadLimitedHttpTools, self._budget, "side channel"),
+            http=guarded_protocol(self._protocol, self._budget, "side channel"),
             ws="none", backlog=2048, timeout_keep_alive=self._budget.keep_alive_timeout,
             limit_concurrency=self._limit_concurrency,
             ssl_certfile=tls.certfile, ssl_keyfile=tls.keyfile, ssl_ca_certs=tls.ca_certs,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cpu_seconds", "group_cpu_seconds", "instance_rss_mib"]
+__all__ = ["cpu_seconds", "gone", "group_cpu_seconds", "group_processes", "instance_rss_mib"]
 
 
 def _vm_rss_kib(pid: int) -> int:
@@ -37,7 +37,8 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def _stat_fields(pid: int | str) -> list[str]:
     """``/proc/PID/stat``'s fields after the command name (which may hold spaces and
-    parentheses): ``[0]`` state, ``[2]`` process group, ``[11]`` utime, ``[12]`` stime."""
+    parentheses): ``[0]`` state, ``[1]`` parent, ``[2]`` process group, ``[11]`` utime,
+    ``[12]`` stime."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
@@ -61,3 +62,28 @@ def group_cpu_seconds(pgid: int) -> float:
         if int(rest[2]) == pgid:
             total += int(rest[11]) + int(rest[12])
     return total / _CLK_TCK
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only its zombie (an orphan nobody here reaps)."""
+    try:
+        return _stat_fields(pid)[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def group_processes(pgid: int, needle: str) -> list[tuple[int, int]]:
+    """(pid, parent pid) of the live processes of group ``pgid`` whose command line holds
+    ``needle`` (a vLLM server's side-channel process: ``kvbridge.handshake.child``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            rest = _stat_fields(entry.name)
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
+            continue
+        if int(rest[2]) == pgid and rest[0] not in ("Z", "X") and needle in cmdline:
+            found.append((int(entry.name), int(rest[1])))
+    return found

@@ -22,7 +22,7 @@ import pytest
 
 from kvbridge.config import SideChannelConfig, TLSConfig
 from kvbridge.guard import ConnectionBudget
-from kvbridge.handshake import make_client, make_server
+from kvbridge.handshake import make_client, side_channel
 from kvbridge.handshake.payloads import PayloadStore
 from kvbridge.handshake.tls_sessions import tls_sessions
 from kvbridge.net import free_port
@@ -38,8 +38,11 @@ from tests.vllm.objects import payload, scheduler_connector  # noqa: E402
 GROUPS = ("side_channel", "budget")
 WALKED = [s.name for s in SETTINGS if s.group in GROUPS]
 REGISTRY = "etcd://127.0.0.1:23790"  # never reached: the etcd objects are not started
+# In this process (``side_channel_isolation: thread``), where the server's objects can be
+# read; the process case checks that both start the same server in a process of its own.
 BASE = {"http": {"handshake_method": "http"}, "zmq": {"handshake_method": "zmq"},
         "etcd": {"handshake_method": "etcd", "registry": REGISTRY}}
+BASE = {m: {**v, "side_channel_isolation": "thread"} for m, v in BASE.items()}
 
 
 @dataclass
@@ -149,6 +152,10 @@ CASES: dict[str, Case] = {
     "audit_log": Case({"audit_log": "{audit_log}"},
                       lambda b, f: b.server._authz.audit._file.name, "{audit_log}"),
     # the servers' keep-alive, and the period a (long-lived) client keeps peers warm at
+    "side_channel_isolation": Case(
+        {"side_channel_isolation": "process"},
+        lambda b, f: (type(b.server).__name__, b.server.port > 0), ("SideChannelProcess", True),
+        methods=("http", "zmq")),
     "side_channel_keep_alive_timeout": Case(
         {"side_channel_keep_alive_timeout": 42.0},
         lambda b, f: (budget_of(b.server).keep_alive_timeout,
@@ -229,7 +236,7 @@ def serve_objects(extra: dict[str, Any]) -> Iterator[Built]:
     cfg = SideChannelConfig.load({"side_channel_host": "127.0.0.1", "side_channel_port": 0,
                                   **extra}, os.environ, budget=ConnectionBudget.load())
     store = PayloadStore("test/opaque", "engine-a", "epoch-1", tp_size=1)
-    server = make_server(cfg, store)
+    server = side_channel(cfg, store)
     client = make_client(cfg, None, keep_warm=True)
     try:
         yield Built(server, client)

@@ -7,6 +7,7 @@ after its test (its memory and core are not needed for the rest)."""
 from __future__ import annotations
 
 import os
+import signal
 import ssl
 import time
 from collections.abc import Iterator
@@ -15,8 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvbridge.errors import ConfigError
 from kvbridge.launch import KVBridgeProcess, free_port, read_metric
+from kvbridge.net import listen_socket
 from kvbridge.testing.etcd import EtcdProcess
+from kvbridge.testing.procfs import gone, group_processes
 from kvbridge.vllm.launch import VllmServer, decode, pd_text, prefill
 from tests.helpers import wait_until
 from tests.vllm.conftest import (
@@ -96,13 +100,9 @@ def test_wrong_token_is_refused_fast_and_the_prefill_keeps_serving(servers, cert
     p, d, wrong = servers
     params = prefill(p.url, PROMPT, REQUEST_TIMEOUT)
     start = time.monotonic()
-    try:
-        r = decode(wrong.url, PROMPT, params, max_tokens=MAX_TOKENS, timeout=REQUEST_TIMEOUT)
-        took = time.monotonic() - start
-        log = wrong.log_text()
-    finally:
-        # Done with it: the restart below needs its core and memory more.
-        wrong.stop()
+    r = decode(wrong.url, PROMPT, params, max_tokens=MAX_TOKENS, timeout=REQUEST_TIMEOUT)
+    took = time.monotonic() - start
+    log = wrong.log_text()
     # vLLM's kv_load_failure_policy "fail": the request ends in an error, not a hang.
     failed = r.status_code != 200 or r.json()["choices"][0].get("finish_reason") == "error"
     assert failed, r.text
@@ -110,6 +110,24 @@ def test_wrong_token_is_refused_fast_and_the_prefill_keeps_serving(servers, cert
     assert "refused our credentials" in log
     # The prefill still serves.
     assert pd_text(p.url, d.url, PROMPT, max_tokens=MAX_TOKENS, timeout=REQUEST_TIMEOUT)
+
+
+def test_the_side_channel_process_dies_with_vllms_engine_core_killed(servers):
+    """The side channel runs in a process of its own, a child of vLLM's engine core; the
+    engine core killed with SIGKILL, it is gone and its port free. (On the wrong-token
+    decode, done with after the test above: its core and memory go to the restart below.)"""
+    _, _, wrong = servers
+    try:
+        (child, core), = group_processes(wrong.proc.pid, "kvbridge.handshake.child")
+        assert core not in (wrong.proc.pid, child)  # the engine core, not the API server
+        port = wrong.side_channel_port
+        with pytest.raises(ConfigError, match="already in use"):
+            listen_socket("127.0.0.1", port, "the side channel's port")
+        os.kill(core, signal.SIGKILL)
+        wait_until(lambda: gone(child), 30, "the side-channel process gone with the core")
+        listen_socket("127.0.0.1", port, "the side channel's port").close()  # free
+    finally:
+        wrong.stop()
 
 
 def test_pd_over_mutual_tls_and_token_reads_the_kv_and_answers_the_same(servers, certs):
