@@ -33,7 +33,7 @@ from kvbridge.handshake.process import SideChannelProcess
 from kvbridge.net import listen_socket
 from kvbridge.testing.procfs import gone
 from kvbridge.testing.wait import wait_until
-from kvbridge.vllm.wire import VllmZmqClient
+from kvbridge.vllm.wire import WIRE, VllmZmqClient
 from tests.helpers import compat, rank_meta
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +110,7 @@ def test_the_zmq_method_is_served_from_the_child() -> None:
 def test_vllms_wire_is_served_and_a_republish_reaches_the_child() -> None:
     store = PayloadStore("vllm-nixl/NixlHandshakePayload", "engine-a", "epoch-1", tp_size=2)
     store.set_payloads({(0, 0): b"rank-0", (0, 1): b"rank-1"})
-    with running(side_channel(config("zmq"), store, wire="vllm")) as server:
+    with running(side_channel(config("zmq"), store, wire=WIRE)) as server:
         client = VllmZmqClient(5.0, 1 << 20)
         assert client.fetch("127.0.0.1", server.port, [(0, 1)]).payloads == {(0, 1): b"rank-1"}
         store.set_payloads({(0, 1): b"rank-1-after-wake-up"})

@@ -33,12 +33,12 @@ _LEN = struct.Struct(">I")
 @dataclass
 class ServerSpec:
     """What the child builds: the server ``kvbridge.handshake.factory.make_server`` makes
-    for ``config`` and ``store``; ``wire`` is what the ``zmq`` method speaks (``kvbridge``,
-    or ``vllm``: vLLM's own wire, ``kvbridge.vllm.wire``); ``observe``: report requests."""
+    for ``config`` and ``store``; ``wire``: what the ``zmq`` method speaks, if not kvbridge's
+    messages (``make_server``'s ``wire``); ``observe``: report requests."""
 
     config: SideChannelConfig
     store: MetadataStore
-    wire: str = "kvbridge"
+    wire: str | None = None
     observe: bool = False
     health: str | None = None
 

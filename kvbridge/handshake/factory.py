@@ -5,7 +5,8 @@ the client-certificate allow-list, the audit log, TLS, ``max_message_bytes``, th
 
 What differs is only what the ``zmq`` method speaks: kvbridge's own messages by default,
 or another wire on the same settings (the plug-in's: vLLM's own, ``kvbridge.vllm.wire``),
-named by ``wire=`` (or passed as ``zmq=``).
+passed as ``zmq=`` or named by ``wire=`` ("module:function", what a process of its own can
+import: a function of the store's payloads giving the ``zmq`` method's server maker).
 
 ``side_channel`` is what serve and the plug-in start: the server in a process of its own
 (``kvbridge.handshake.process``) or, with ``side_channel_isolation: thread``, in this one.
@@ -13,6 +14,7 @@ named by ``wire=`` (or passed as ``zmq=``).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import socket
 from collections.abc import Callable
@@ -29,10 +31,7 @@ from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer
 from kvbridge.metadata import Compat
 from kvbridge.net import bind_error
 
-__all__ = ["WIRES", "ZmqServerMaker", "make_client", "make_server", "side_channel"]
-
-# What the zmq method can speak: kvbridge's messages, or vLLM's own (kvbridge.vllm.wire).
-WIRES = ("kvbridge", "vllm")
+__all__ = ["ZmqServerMaker", "make_client", "make_server", "side_channel"]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ class ZmqServerMaker(Protocol):
 
 
 def side_channel(config: SideChannelConfig, store: MetadataStore, port: int | None = None,
-                 observer: Observer | None = None, *, wire: str = "kvbridge",
+                 observer: Observer | None = None, *, wire: str | None = None,
                  health: Callable[[], str | None] | None = None) -> HandshakeServer:
     """The side-channel server an instance starts (not started): in a process of its own
     unless ``config.side_channel_isolation`` is ``thread``. ``health``: why the instance
@@ -63,24 +62,18 @@ def side_channel(config: SideChannelConfig, store: MetadataStore, port: int | No
 
 def make_server(config: SideChannelConfig, store: MetadataStore,
                 port: int | None = None, observer: Observer | None = None, *,
-                zmq: ZmqServerMaker | None = None, wire: str = "kvbridge",
+                zmq: ZmqServerMaker | None = None, wire: str | None = None,
                 sock: socket.socket | None = None) -> HandshakeServer:
     """The side-channel server for ``config.handshake_method`` (not started), in this
-    process. ``zmq``: the ``zmq`` method's server (default: the one ``wire`` names;
-    kvbridge's serves ``store``, vLLM's the payloads of a ``PayloadStore``). ``sock``: a
-    listening socket to serve (default: ``port`` bound now).
+    process. ``zmq``: the ``zmq`` method's server (default: the one ``wire`` names, else
+    kvbridge's, serving ``store``). ``sock``: a listening socket to serve (default:
+    ``port`` bound now).
 
     A port that cannot be bound (in use, foreign address) raises ``ConfigError``.
     """
     port = config.side_channel_port if port is None else port
-    if zmq is None and wire == "vllm":
-        from kvbridge.handshake.payloads import PayloadStore
-        from kvbridge.vllm.wire import vllm_wire_server
-
-        assert isinstance(store, PayloadStore), "vLLM's wire serves opaque payloads"
-        zmq = vllm_wire_server(store.payloads()[0])
-    elif wire not in WIRES:
-        raise ValueError(f"unknown wire {wire!r}: one of {', '.join(WIRES)}")
+    if zmq is None and wire is not None and config.handshake_method == "zmq":
+        zmq = _wire_server(wire, store)
     try:
         if config.handshake_method == "etcd":
             from kvbridge.handshake.etcd import EtcdHandshakeServer
@@ -128,3 +121,12 @@ def make_client(config: SideChannelConfig, expected: Compat | None,
                                    keep_warm=(config.side_channel_keep_alive_timeout / 2
                                               if keep_warm else None))
     return zmq(config.handshake_timeout, expected, config.token, config.max_message_bytes)
+
+
+def _wire_server(wire: str, store: MetadataStore) -> ZmqServerMaker:
+    """The maker ``wire`` ("module:function") gives for the payloads ``store`` holds."""
+    module, _, name = wire.partition(":")
+    payloads = getattr(store, "payloads", None)
+    if not name or payloads is None:
+        raise ValueError(f"wire {wire!r}: 'module:function' of a PayloadStore's payloads")
+    return getattr(importlib.import_module(module), name)(payloads()[0])

@@ -50,7 +50,7 @@ class SideChannelProcess(HandshakeServer):
     """A ``HandshakeServer`` whose server runs in a child process (see the module)."""
 
     def __init__(self, config: SideChannelConfig, store: MetadataStore, port: int | None = None,
-                 observer: Observer | None = None, *, wire: str = "kvbridge",
+                 observer: Observer | None = None, *, wire: str | None = None,
                  health: Callable[[], str | None] | None = None, start_timeout: float = 60.0):
         self.method = config.handshake_method
         self.store = store

@@ -24,6 +24,7 @@ from kvbridge.vllm.holds import KEY_PARAM, new_key
 from kvbridge.vllm.payload import PAYLOAD_KIND, describe_payload, log, payload_decoder, validating
 from kvbridge.vllm.settings import PluginSettings
 from kvbridge.vllm.validation import TagWriter
+from kvbridge.vllm.wire import WIRE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -170,7 +171,7 @@ class KVBridgeScheduler(NixlPullConnectorScheduler):
                              tp_size=self.transfer_tp_size, pp_size=pp_size,
                              describe=describe_payload)
         store.set_payloads(payloads)
-        server = side_channel(sc, store, port, wire="vllm")
+        server = side_channel(sc, store, port, wire=WIRE)
 
         def republish(new: dict[Rank, bytes]) -> None:
             store.set_payloads(new)

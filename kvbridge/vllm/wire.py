@@ -45,6 +45,8 @@ from kvbridge.handshake.zmtp_client import ZmtpDealer
 from kvbridge.net import listen_socket
 
 GET_META_MSG = b"get_meta_msg"
+# ``vllm_wire_server`` by name, for the factory's ``wire`` (a side-channel process imports it).
+WIRE = f"{__name__}:vllm_wire_server"
 # A reply as a DEALER reads it: the empty delimiter, the payload, the clock.
 REPLY_FRAMES = 3
 # Room beyond ``max_message_bytes`` for the clock frame (msgpack float64: 9 bytes).
