@@ -8,7 +8,8 @@ the package: errors, config, guard, metadata, net, background, registry):
 * ``audit``              the audit log: one JSON line per decision, refusals rate-limited
 * ``authz``              who may fetch: named tokens, client-certificate allow-list, audit log
 * ``http_routes``        the http routes and media type both ends agree on
-* ``http_protocol``      uvicorn's httptools protocol with a cap on the request head (431)
+* ``http_fast``          handshakes and probes answered from the parsed head, no ASGI
+* ``http_protocol``      uvicorn's httptools protocol: caps on head and body, the fast path
 * ``http_server``        the http server: Starlette app, body limit, observer, threaded uvicorn
 * ``deadline_watchdog``  one thread that cuts a connection when its fetch's deadline passes
 * ``tls_sessions``       TLS client contexts and sessions shared per setting, bounded
@@ -18,6 +19,9 @@ the package: errors, config, guard, metadata, net, background, registry):
 * ``zmq``                the zmq method's messages, server and client (on ``zmtp``)
 * ``etcd``               the etcd method: envelopes published under a lease, read from a watch
 * ``factory``            servers and clients from the settings: ``serve`` and the plug-in alike
+* ``control``            what the side-channel process and its parent say (a socketpair)
+* ``process``            the side channel in a process of its own: started, fed, restarted
+* ``child``              that process: ``python -m kvbridge.handshake.child``
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import httpx
 from starlette.responses import JSONResponse
 
 from kvbridge.errors import ConfigError
+from kvbridge.server.proxy.transport import AiohttpTransport
 from kvbridge.server.responses import error_response
 from kvbridge.server.upstream import CLIENT_KEEP_ALIVE
 
@@ -89,11 +90,11 @@ class EngineClient:
 
     def open(self) -> None:
         self._client = httpx.AsyncClient(
-            verify=self.verify,
+            # aiohttp's connections (C parser) under httpx's API: kvbridge.server.proxy.
+            # transport. No pool limit (streams can be long-lived: no request queues for a
+            # slot); idle connections expire before the engines close them.
+            transport=AiohttpTransport(self.verify, CLIENT_KEEP_ALIVE),
             timeout=self.timeout,
-            # Streams can be long-lived: don't make requests queue for a pool slot.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=100,
-                                keepalive_expiry=CLIENT_KEEP_ALIVE),
             # Engines are internal: don't route them through HTTP(S)_PROXY from the environment.
             trust_env=False,
         )
