@@ -55,7 +55,7 @@ def make_agents(args: argparse.Namespace, tp: int, count: int | None = None) -> 
 
 def sidechannel(args: argparse.Namespace) -> None:
     from kvbridge.config import SideChannelConfig
-    from kvbridge.handshake import MetadataStore, make_server
+    from kvbridge.handshake import MetadataStore, side_channel
     from kvbridge.metadata import compat_of
 
     agents = make_agents(args, args.tp)
@@ -72,11 +72,12 @@ def sidechannel(args: argparse.Namespace) -> None:
         config = SideChannelConfig.load(dict(
             handshake_method="zmq" if method == "zmq" else "http", token=args.token,
             side_channel_port=0, **tls), environ={})
-        servers[method] = make_server(config, store)
+        servers[method] = side_channel(config, store)  # a process of its own, as deployed
         servers[method].start()
     print(json.dumps({
         "pid": os.getpid(), "engine_id": engine_id, "epoch": epoch,
         "ports": {m: s.port for m, s in servers.items()},
+        "server_pids": {m: getattr(s, "pid", None) or os.getpid() for m, s in servers.items()},
         "envelope_bytes_per_rank": [len(store.reply(r).body) for r in range(args.tp)],
         "agent_metadata_bytes_per_rank": [len(a.metadata()) for a in agents],
         "envelope_bytes_all_ranks": len(store.reply(None).body),

@@ -11,6 +11,7 @@ import httpx
 
 from kvbridge.bench.load import run_closed_loop, stream_completion
 from kvbridge.bench.report import percentiles
+from kvbridge.config import TLSConfig
 
 PROMPT = ("Explain in a few sentences why a decode instance reads the prompt's KV cache from "
           "a prefill instance instead of computing it again. Request {i}.")
@@ -83,25 +84,48 @@ def fetch_zmq(port: int, n: int, warm: bool) -> list[float]:
     return samples
 
 
-def fetch_http(url: str, n: int, warm: bool, verify: Any, token: str) -> list[float]:
-    headers = {"authorization": f"Bearer {token}"}
+def fetch_http(port: int, n: int, warm: bool, tls: TLSConfig | None, token: str,
+               never_met: bool = False) -> list[float]:
+    """Fetches of rank 0 with the client the plug-in's decode uses (kvbridge's http client):
+    ``warm``, over one kept connection; else a new client (and connection) each time.
+    ``never_met``: no TLS session to resume (a peer never met), else the client's own."""
+    from kvbridge.handshake.http_client import HttpHandshakeClient
+    from kvbridge.handshake.tls_sessions import tls_sessions
+
     samples: list[float] = []
     client = None
     try:
         for _ in range(n):
+            if never_met and tls is not None:
+                tls_sessions(tls).sessions.clear()
             t0 = time.perf_counter()
             if client is None:
-                client = httpx.Client(verify=verify, trust_env=False, timeout=10)
-            r = client.get(url, headers=headers)
+                client = HttpHandshakeClient(10.0, None, token, tls=tls)
+            client.fetch_body("127.0.0.1", port, 0)
             samples.append(time.perf_counter() - t0)
-            if r.status_code != 200:
-                raise RuntimeError(f"side channel {url}: {r.status_code} {r.text[:200]}")
             if not warm:
                 client.close()
                 client = None
     finally:
         if client is not None:
             client.close()
+    return samples
+
+
+def bare_tls(port: int, n: int, tls: TLSConfig) -> list[float]:
+    """A TCP connect and a full TLS handshake (no session to resume), nothing sent: what a
+    cold https fetch cannot go below."""
+    import socket
+
+    from kvbridge.handshake.tls_sessions import tls_sessions
+
+    context = tls_sessions(tls).context
+    samples: list[float] = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+                context.wrap_socket(raw, server_hostname="127.0.0.1"):
+            samples.append(time.perf_counter() - t0)
     return samples
 
 
