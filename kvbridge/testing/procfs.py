@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cpu_seconds", "gone", "group_cpu_seconds", "group_processes", "instance_rss_mib"]
+__all__ = ["children", "cpu_seconds", "gone", "group_cpu_seconds", "group_processes",
+           "instance_rss_mib"]
 
 
 def _vm_rss_kib(pid: int) -> int:
@@ -86,4 +87,22 @@ def group_processes(pgid: int, needle: str) -> list[tuple[int, int]]:
             continue
         if int(rest[2]) == pgid and rest[0] not in ("Z", "X") and needle in cmdline:
             found.append((int(entry.name), int(rest[1])))
+    return found
+
+
+def children(pid: int, needle: str = "") -> list[int]:
+    """The live child processes of ``pid`` whose command line holds ``needle``."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            pids = [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        for child in pids:
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+            except FileNotFoundError:
+                continue
+            if needle in cmdline.decode() and not gone(child):
+                found.append(child)
     return found
