@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import ssl
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,6 +113,14 @@ def test_wrong_token_is_refused_fast_and_the_prefill_keeps_serving(servers, cert
     assert pd_text(p.url, d.url, PROMPT, max_tokens=MAX_TOKENS, timeout=REQUEST_TIMEOUT)
 
 
+def port_free(port: int) -> bool:
+    try:
+        listen_socket("127.0.0.1", port, "the side channel's port").close()
+    except ConfigError:
+        return False
+    return True
+
+
 def test_the_side_channel_process_dies_with_vllms_engine_core_killed(servers):
     """The side channel runs in a process of its own, a child of vLLM's engine core; the
     engine core killed with SIGKILL, it is gone and its port free. (On the wrong-token
@@ -124,8 +133,12 @@ def test_the_side_channel_process_dies_with_vllms_engine_core_killed(servers):
         with pytest.raises(ConfigError, match="already in use"):
             listen_socket("127.0.0.1", port, "the side channel's port")
         os.kill(core, signal.SIGKILL)
-        wait_until(lambda: gone(child), 30, "the side-channel process gone with the core")
-        listen_socket("127.0.0.1", port, "the side channel's port").close()  # free
+        # (a big process takes a moment to die: its sockets close once its memory is gone)
+        wait_until(lambda: gone(core) and gone(child), 60,
+                   "the side-channel process gone with the engine core")
+        wait_until(lambda: port_free(port), 60, "the side channel's port free",
+                   message=lambda: subprocess.run(["ss", "-ltnp", f"sport = :{port}"],
+                                                  capture_output=True, text=True).stdout)
     finally:
         wrong.stop()
 
