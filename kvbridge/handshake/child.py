@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -80,6 +81,7 @@ def serve(channel: Channel, listen_fd: int | None) -> int:
         channel.send("error", type(e).__name__, str(e))
         return 1
     channel.send("ready", server.port)
+    gc.freeze()  # what start-up built lives as long as the process: no collection scans it
     stop = threading.Event()
     if observed is not None:
         threading.Thread(target=_flush, args=(channel, observed, stop), daemon=True,
