@@ -27,7 +27,9 @@ from kvbridge.launch import KVBridgeProcess, free_port
 
 HOST = "127.0.0.1"
 QUICK = {"rounds": 20, "warmup": 3}
-CLIENTS = ("httpx", "aiohttp")
+# httpx on its own transport (httpcore, h11), aiohttp, and the proxy's client: httpx's API
+# on aiohttp's connections (kvbridge.server.proxy.transport).
+CLIENTS = ("httpx", "aiohttp", "httpx+aiohttp")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,13 +44,17 @@ async def _measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
     body = {"model": "kvbridge-tiny", "prompt": "The proxy's client, measured.",
             "max_tokens": args.max_tokens, "temperature": 0, "stream": True}
-    hx = httpx.AsyncClient(timeout=60, trust_env=False)
+    from kvbridge.server.proxy.transport import AiohttpTransport
+
+    hxs = {"httpx": httpx.AsyncClient(timeout=60, trust_env=False),
+           "httpx+aiohttp": httpx.AsyncClient(timeout=60, trust_env=False,
+                                              transport=AiohttpTransport())}
     ah = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
 
     async def health(client: str) -> float:
         t0 = time.perf_counter()
-        if client == "httpx":
-            r = await hx.get(url + "/health")
+        if client in hxs:
+            r = await hxs[client].get(url + "/health")
             r.raise_for_status()
         else:
             async with ah.get(url + "/health") as r:
@@ -59,8 +65,8 @@ async def _measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     async def completion(client: str) -> tuple[float, float]:
         t0 = time.perf_counter()
         first = None
-        if client == "httpx":
-            async with hx.stream("POST", url + "/v1/completions", json=body) as r:
+        if client in hxs:
+            async with hxs[client].stream("POST", url + "/v1/completions", json=body) as r:
                 r.raise_for_status()
                 async for _ in r.aiter_raw():
                     first = first or time.perf_counter()
@@ -103,7 +109,8 @@ async def _measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
             if (i + 1) % max(1, args.rounds // 4) == 0:
                 progress(f"clients: {i + 1}/{args.rounds} rounds")
     finally:
-        await hx.aclose()
+        for hx in hxs.values():
+            await hx.aclose()
         await ah.close()
     return {c: {**{k: percentiles(v) for k, v in kinds.items()}, "retries": retries[c]}
             for c, kinds in times.items()}
@@ -119,7 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             url = f"http://{HOST}:{port}"
             engine.wait_healthy(url + "/health", time.monotonic() + 180)
-            progress(f"clients: httpx and aiohttp, {args.rounds} rounds, interleaved")
+            progress(f"clients: {', '.join(CLIENTS)}, {args.rounds} rounds, interleaved")
             stats = asyncio.run(_measure(url, args))
         finally:
             engine.stop()
@@ -129,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"rounds": args.rounds, "warmup": args.warmup,
                    "max_tokens": args.max_tokens, "quick": args.quick,
                    "engine": "kvbridge serve --role both (tiny model), loopback, plain http",
-                   "order": "both clients every round, shuffled"},
+                   "order": "every client every round, shuffled"},
         "clients": stats,
         "httpx_minus_aiohttp_p50_ms": saved,
         "goals": [],
@@ -141,7 +148,7 @@ def summary(r: dict[str, Any]) -> str:
     lines = ["client    health p50/p99 ms   first byte p50/p99 ms   completion p50/p99 ms  "
              "retries"]
     for c, s in r["clients"].items():
-        lines.append(f"{c:8s} {s['health']['p50']:7.2f} /{s['health']['p99']:7.2f}   "
+        lines.append(f"{c:13s} {s['health']['p50']:7.2f} /{s['health']['p99']:7.2f}   "
                      f"{s['first_byte']['p50']:9.2f} /{s['first_byte']['p99']:7.2f}   "
                      f"{s['completion']['p50']:9.2f} /{s['completion']['p99']:7.2f}  "
                      f"{s['retries']:7d}")
@@ -155,11 +162,11 @@ def plot(r: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     kinds = ("health", "first_byte", "completion")
     fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.38
+    width = 0.8 / len(r["clients"])
     for i, c in enumerate(r["clients"]):
         ax.bar([k + i * width for k in range(len(kinds))],
                [r["clients"][c][k]["p50"] for k in kinds], width, label=c)
-    ax.set_xticks([k + width / 2 for k in range(len(kinds))], kinds)
+    ax.set_xticks([k + width * (len(r["clients"]) - 1) / 2 for k in range(len(kinds))], kinds)
     ax.set_ylabel("p50 ms")
     ax.set_title("The proxy's HTTP client against one engine (loopback)")
     ax.legend()

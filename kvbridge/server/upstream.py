@@ -4,6 +4,7 @@ request that provably never reached the engine."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -30,12 +31,16 @@ def never_reached(exc: httpx.HTTPError) -> bool:
 
 
 async def send_retrying_once(
-    client: httpx.AsyncClient, request: httpx.Request, *, stream: bool = False
+    client: httpx.AsyncClient, request: httpx.Request, *, stream: bool = False,
+    send: Callable[[httpx.Request], Awaitable[httpx.Response]] | None = None,
 ) -> httpx.Response:
-    """``client.send``, once more on a fresh connection if the first try never reached
-    the engine (``never_reached``)."""
+    """``client.send`` (or ``send``), once more on a fresh connection if the first try
+    never reached the engine (``never_reached``)."""
+    if send is None:
+        async def send(r: httpx.Request) -> httpx.Response:
+            return await client.send(r, stream=stream)
     try:
-        return await client.send(request, stream=stream)
+        return await send(request)
     except httpx.HTTPError as exc:
         if not never_reached(exc):
             raise
@@ -45,4 +50,4 @@ async def send_retrying_once(
             request.url,
             exc,
         )
-        return await client.send(request, stream=stream)
+        return await send(request)

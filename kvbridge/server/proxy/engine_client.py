@@ -79,6 +79,7 @@ class EngineClient:
         self.verify = verify
         self.timeout = timeout
         self._client: httpx.AsyncClient | None = None
+        self._transport: AiohttpTransport | None = None
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -89,15 +90,23 @@ class EngineClient:
         return self._client
 
     def open(self) -> None:
+        self._transport = AiohttpTransport(self.verify, CLIENT_KEEP_ALIVE)
         self._client = httpx.AsyncClient(
             # aiohttp's connections (C parser) under httpx's API: kvbridge.server.proxy.
             # transport. No pool limit (streams can be long-lived: no request queues for a
             # slot); idle connections expire before the engines close them.
-            transport=AiohttpTransport(self.verify, CLIENT_KEEP_ALIVE),
+            transport=self._transport,
             timeout=self.timeout,
             # Engines are internal: don't route them through HTTP(S)_PROXY from the environment.
             trust_env=False,
         )
+
+    async def read(self, request: httpx.Request) -> httpx.Response:
+        """``request`` (built by ``http``) sent on the same connections, its whole answer
+        read, without httpx's client layer (``AiohttpTransport.read``)."""
+        self.http  # noqa: B018 - opens the client (and its transport) if needed
+        assert self._transport is not None
+        return await self._transport.read(request)
 
     async def aclose(self) -> None:
         client, self._client = self._client, None

@@ -152,7 +152,7 @@ class Flow:
         )
         try:
             with self.metrics.prefill_seconds.time():
-                presp = await send_retrying_once(client, preq)
+                presp = await send_retrying_once(client, preq, send=self.engines.read)
         except httpx.HTTPError as exc:
             log.warning("request %s: prefill %s failed: %r", request_id, prefill, exc)
             self.metrics.upstream_errors.labels("prefill").inc()
