@@ -59,6 +59,10 @@ def test_answers_and_keeps_the_connection_alive() -> None:
             for _ in range(3):
                 r = await c.post(f"http://127.0.0.1:{port}/v1/completions", content=b"{}")
                 assert (r.status_code, r.json(), r.reason_phrase) == (200, {"ok": True}, "OK")
+            # the prefill hop's path: the same pooled connection, the whole body read
+            r = await c._transport.read(c.build_request("POST", f"http://127.0.0.1:{port}/x",
+                                                        content=b"{}"))
+            assert (r.status_code, r.json()) == (200, {"ok": True})
         assert len(accepted) == 1
     asyncio.run(main())
 
@@ -88,47 +92,44 @@ def test_a_refused_port_is_a_connect_error_never_reached() -> None:
         async with client() as c:
             with pytest.raises(httpx.ConnectError) as e:
                 await c.post(f"http://127.0.0.1:{refused_port()}/x", content=b"{}")
-        assert never_reached(e.value)
+            assert never_reached(e.value)
+            request = c.build_request("POST", f"http://127.0.0.1:{refused_port()}/x")
+            with pytest.raises(httpx.ConnectError):
+                await c._transport.read(request)
     asyncio.run(main())
 
 
-def test_a_hang_up_before_any_answer_reads_as_never_reached() -> None:
-    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _head(reader)
+async def _hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _head(reader)
 
+
+async def _half(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _head(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"partial")
+    await writer.drain()
+
+
+async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _head(reader)
+    await asyncio.sleep(30)
+
+
+@pytest.mark.parametrize("path", ["httpx-client", "read"])  # the relay's, the prefill hop's
+@pytest.mark.parametrize(("handler", "expected", "reached"), [
+    (_hang_up, httpx.RemoteProtocolError, False),  # before any answer: safe to send again
+    (_half, httpx.RemoteProtocolError, True),  # inside the body: the engine had it
+    (_silent, httpx.ReadTimeout, True),  # never answered: still at work, maybe
+], ids=["hang-up-before-answering", "hang-up-inside-the-body", "never-answers"])
+def test_an_engine_failure_reads_as_the_httpx_exception(handler: Handler, expected: type,
+                                                        reached: bool, path: str) -> None:
     async def main() -> None:
-        server, port, _ = await serve(hang_up)
-        async with server, client() as c:
-            with pytest.raises(httpx.RemoteProtocolError) as e:
-                await c.post(f"http://127.0.0.1:{port}/x", content=b"{}")
-        assert never_reached(e.value)
-    asyncio.run(main())
-
-
-def test_a_hang_up_inside_the_body_is_not_never_reached() -> None:
-    async def half(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _head(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"partial")
-        await writer.drain()
-
-    async def main() -> None:
-        server, port, _ = await serve(half)
-        async with server, client() as c:
-            with pytest.raises(httpx.RemoteProtocolError) as e:
-                await c.post(f"http://127.0.0.1:{port}/x", content=b"{}")
-        assert not never_reached(e.value)
-    asyncio.run(main())
-
-
-def test_an_engine_that_never_answers_is_a_read_timeout() -> None:
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _head(reader)
-        await asyncio.sleep(30)
-
-    async def main() -> None:
-        server, port, _ = await serve(silent)
+        server, port, _ = await serve(handler)
         async with server, client(read=0.3) as c:
-            with pytest.raises(httpx.ReadTimeout) as e:
-                await c.post(f"http://127.0.0.1:{port}/x", content=b"{}")
-        assert not never_reached(e.value)
+            request = c.build_request("POST", f"http://127.0.0.1:{port}/x", content=b"{}")
+            with pytest.raises(expected) as e:
+                if path == "read":
+                    await c._transport.read(request)
+                else:
+                    await c.send(request)
+        assert never_reached(e.value) is not reached
     asyncio.run(main())
