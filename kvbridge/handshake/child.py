@@ -97,6 +97,7 @@ def serve(channel: Channel, listen_fd: int | None) -> int:
         pass
     finally:
         stop.set()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already (a second word)
         # never linger: a stop that hangs (a peer that never closes) ends with the process
         deadline = threading.Timer(EXIT_DEADLINE, os._exit, args=(0,))
         deadline.daemon = True
