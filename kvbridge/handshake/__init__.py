@@ -18,10 +18,10 @@ the package: errors, config, guard, metadata, net, background, registry):
 * ``zmtp_client``        the ZMTP client: a DEALER connection, each reply bounded in frames and bytes
 * ``zmq``                the zmq method's messages, server and client (on ``zmtp``)
 * ``etcd``               the etcd method: envelopes published under a lease, read from a watch
-* ``factory``            servers and clients from the settings: ``serve`` and the plug-in alike
 * ``control``            what the side-channel process and its parent say (a socketpair)
 * ``process``            the side channel in a process of its own: started, fed, restarted
-* ``child``              that process: ``python -m kvbridge.handshake.child``
+* ``factory``            servers and clients from the settings: ``serve`` and the plug-in alike
+* ``child``              the side-channel process: ``python -m kvbridge.handshake.child``
 """
 
 from __future__ import annotations
