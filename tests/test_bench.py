@@ -220,7 +220,7 @@ def test_hostile(tmp_path):
 
 def test_clients(tmp_path):
     d = _run("clients", tmp_path)
-    assert set(d["clients"]) == {"httpx", "aiohttp"}
+    assert set(d["clients"]) == {"httpx", "aiohttp", "httpx+aiohttp"}  # the proxy's: the last
     for s in d["clients"].values():
         for kind in ("health", "first_byte", "completion"):
             _positive(s[kind]["p50"], s[kind]["p99"])

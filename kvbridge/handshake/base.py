@@ -144,6 +144,11 @@ class HandshakeServer(ABC):
     @abstractmethod
     def stop(self) -> None: ...
 
+    def health_changed(self) -> None:
+        """The instance's health may have changed: for servers that are told rather than
+        ask (a side-channel process)."""
+        return None
+
     def payloads_changed(self, payloads: dict[tuple[int, int], bytes]) -> None:
         """The store's payloads changed to ``payloads`` (a republish): for servers that
         serve more than the store (etcd's record, vLLM's wire)."""

@@ -69,6 +69,7 @@ class SideChannelProcess(HandshakeServer):
         self._channel: Channel | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._up = False
+        self._health_sent: str | None = None  # what the child was told last
         self._thread = Supervised("kvbridge-side-channel", self._loop, self._stop)
 
     @property
@@ -112,6 +113,13 @@ class SideChannelProcess(HandshakeServer):
         held = getattr(self.store, "payloads", None)
         described = {} if held is None else held()[1]
         self._send("payloads", payloads, {r: described[r] for r in payloads if r in described})
+
+    def health_changed(self) -> None:
+        """Send the instance's health now rather than at the next poll (the instance calls
+        it when it becomes ready, so that ``/readyz`` follows at once)."""
+        health = self._health_now()
+        self._health_sent = health
+        self._send("health", health)
 
     def stop(self) -> None:
         self._stop.set()
@@ -218,6 +226,7 @@ class SideChannelProcess(HandshakeServer):
     def _serve(self, channel: Channel, health: str | None) -> None:
         """Until the child ends: what it answered to the observer, the instance's health
         to it whenever it changes."""
+        self._health_sent = health
         channel.sock.settimeout(HEALTH_POLL)
         while True:
             try:
@@ -229,9 +238,9 @@ class SideChannelProcess(HandshakeServer):
             if message and message[0] == "observed":
                 self._observed(message[1])
             now = self._health_now()
-            if now != health:
+            if now != self._health_sent:
+                self._health_sent = now
                 channel.send("health", now)
-                health = now
 
     def _health_now(self) -> str | None:
         return None if self._health is None else self._health()

@@ -150,6 +150,8 @@ class Instance:
             raise
         self.metrics.track_blocks(lambda: engine.num_free_blocks, engine.num_blocks)
         self.engine = AsyncEngine(engine, phase_observer=self.metrics.observe_phases)
+        if self.connector.server is not None:  # ready now: the side channel says so at once
+            self.connector.server.health_changed()
         self.app: Starlette = build_app(self.engine, self.model_name, root=identity)
         routes = [Route("/metrics", self._metrics, methods=["GET"])]
         if opts.role in ("prefill", "both"):
