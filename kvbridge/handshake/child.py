@@ -93,6 +93,7 @@ def serve(channel: Channel, listen_fd: int | None) -> int:
             elif message[0] == "payloads":
                 store.set_payloads(message[1], message[2])  # type: ignore[attr-defined]
                 server.payloads_changed(message[1])
+                channel.send("republished", message[3])
     except (_Stop, OSError):
         pass
     finally:

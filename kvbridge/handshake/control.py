@@ -7,12 +7,13 @@ it execs; nothing from the network reaches it.
 
 Parent to child:
   ``("start", ServerSpec)``  once, first: what to serve and how;
-  ``("payloads", {(pp, tp): bytes}, {(pp, tp): description})``  a republish;
+  ``("payloads", {(pp, tp): bytes}, {(pp, tp): description}, n)``  republish number n;
   ``("health", str | None)``  why the instance cannot serve KV now (None: it can);
   ``("stop",)``  stop serving and exit (end of file means the same).
 Child to parent:
   ``("ready", port)`` or ``("error", exception type name, message)``, once, after "start";
-  ``("observed", {(route, status): (requests, body bytes)})``  what was answered lately.
+  ``("observed", {(route, status): (requests, body bytes)})``  what was answered lately;
+  ``("republished", n)``  republish n is served (and put in etcd, for that method).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ __all__ = ["SideChannelProcess"]
 
 log = logging.getLogger(__name__)
 
+REPUBLISH_TIMEOUT = 10.0  # a republish the child has not confirmed by then is logged
 HEALTH_POLL = 0.1  # how often the instance's health is looked at (forwarded on change)
 
 
@@ -70,6 +71,9 @@ class SideChannelProcess(HandshakeServer):
         self._proc: subprocess.Popen[bytes] | None = None
         self._up = False
         self._health_sent: str | None = None  # what the child was told last
+        self._acks = threading.Condition()  # republishes sent, and served by the child
+        self._republishes = 0
+        self._acked = 0
         self._thread = Supervised("kvbridge-side-channel", self._loop, self._stop)
 
     @property
@@ -109,10 +113,21 @@ class SideChannelProcess(HandshakeServer):
             raise self._start_error
 
     def payloads_changed(self, payloads: dict[tuple[int, int], bytes]) -> None:
-        """The store already holds ``payloads``: send them (and their JSON views)."""
+        """The store already holds ``payloads``: send them (and their JSON views), and
+        return once the child serves them (an etcd record put again included), as a
+        server in this process would; a child that is down starts from the store."""
         held = getattr(self.store, "payloads", None)
         described = {} if held is None else held()[1]
-        self._send("payloads", payloads, {r: described[r] for r in payloads if r in described})
+        with self._acks:
+            self._republishes += 1
+            seq = self._republishes
+        self._send("payloads", payloads, {r: described[r] for r in payloads if r in described},
+                   seq)
+        with self._acks:
+            if not self._acks.wait_for(lambda: self._acked >= seq or not self._up,
+                                       timeout=REPUBLISH_TIMEOUT):
+                log.warning("kvbridge side channel: republish %d not confirmed within %gs",
+                            seq, REPUBLISH_TIMEOUT)
 
     def health_changed(self) -> None:
         """Send the instance's health now rather than at the next poll (the instance calls
@@ -182,6 +197,8 @@ class SideChannelProcess(HandshakeServer):
             log.warning("kvbridge side channel: control socket: %s", e)
         finally:
             self._channel, self._up = None, False
+            with self._acks:
+                self._acks.notify_all()  # a republish waiting: the next child has it
             channel.close()
         try:
             code = proc.wait(timeout=5)
@@ -237,6 +254,10 @@ class SideChannelProcess(HandshakeServer):
                 return
             if message and message[0] == "observed":
                 self._observed(message[1])
+            elif message and message[0] == "republished":
+                with self._acks:
+                    self._acked = max(self._acked, message[1])
+                    self._acks.notify_all()
             now = self._health_now()
             if now != self._health_sent:
                 self._health_sent = now
