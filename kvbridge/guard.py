@@ -43,7 +43,9 @@ __all__ = [
     "ConnectionBudget",
     "ConnectionGuard",
     "GuardCollector",
+    "GuardMirror",
     "GuardedServer",
+    "guard_stats",
     "guarded_config",
     "guarded_protocol",
 ]
@@ -99,6 +101,49 @@ class ConnectionGuard:
 
 
 _GUARDS: weakref.WeakSet[ConnectionGuard] = weakref.WeakSet()
+
+
+GuardStats = tuple[int, int, int, int]  # open, evicted, timed_out, dropped
+
+
+def guard_stats() -> dict[str, GuardStats]:
+    """Every live guard of this process, summed by server name (what a side-channel
+    process reports to its parent)."""
+    out: dict[str, GuardStats] = {}
+    for g in list(_GUARDS):
+        o, e, t, d = out.get(g.name, (0, 0, 0, 0))
+        out[g.name] = (o + len(g), e + g.evicted, t + g.timed_out, d + g.dropped)
+    return out
+
+
+class GuardMirror:
+    """Another process's guard, as that process reports it (the side-channel process):
+    counted by ``GuardCollector`` here. Its counters stay monotonic across that
+    process's restarts (a new one counts from zero). Keep a reference: guards are held
+    weakly."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._open = 0
+        self._base = (0, 0, 0)
+        self._last = (0, 0, 0)
+        _GUARDS.add(self)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return self._open
+
+    def update(self, stats: GuardStats) -> None:
+        self._open, *last = stats
+        self._last = (last[0], last[1], last[2])
+
+    def restarted(self) -> None:
+        """The process restarted: what it counted so far stays counted."""
+        self._base = tuple(b + x for b, x in zip(self._base, self._last, strict=True))
+        self._last, self._open = (0, 0, 0), 0
+
+    evicted = property(lambda self: self._base[0] + self._last[0])
+    timed_out = property(lambda self: self._base[1] + self._last[1])
+    dropped = property(lambda self: self._base[2] + self._last[2])
 
 
 class GuardCollector:

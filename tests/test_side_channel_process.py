@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import pytest
 from kvbridge import background
 from kvbridge.config import SideChannelConfig
 from kvbridge.errors import AuthError, ConfigError
+from kvbridge.guard import GuardCollector
 from kvbridge.handshake import MetadataStore, make_client, side_channel
 from kvbridge.handshake.payloads import PayloadStore
 from kvbridge.handshake.process import SideChannelProcess
@@ -169,6 +171,24 @@ def test_what_the_child_answered_reaches_the_observer() -> None:
     ok = [s for s in seen if s[:2] == ("handshake_rank", 200)]
     assert len(ok) == 3 and sum(s[2] for s in ok) > 0
     assert [s[:2] for s in seen if s[1] == 404] == [("handshake_rank", 404)]
+
+
+def _open_side_channel_connections() -> float:
+    families = {f.name: f for f in GuardCollector().collect()}
+    return sum(s.value for s in families["kvbridge_connections"].samples
+               if s.labels["server"] == "side channel")
+
+
+def test_the_childs_connection_guard_is_in_the_parents_metrics() -> None:
+    with running(side_channel(config(), full_store(2))) as server:
+        before = _open_side_channel_connections()
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+        try:
+            wait_until(lambda: _open_side_channel_connections() >= before + 3, 10,
+                       "three idle connections counted", message=_open_side_channel_connections)
+        finally:
+            for s in idle:
+                s.close()
 
 
 def test_a_killed_child_is_restarted_and_seen_down_meanwhile() -> None:

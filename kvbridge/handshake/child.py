@@ -21,13 +21,14 @@ import sys
 import threading
 from collections import Counter
 
+from kvbridge.guard import guard_stats
 from kvbridge.handshake.control import Channel, ServerSpec
 from kvbridge.handshake.factory import make_server
 
 log = logging.getLogger("kvbridge.side-channel")
 
 PR_SET_PDEATHSIG = 1
-FLUSH_SECONDS = 0.25  # how often what was answered goes back to the parent
+FLUSH_SECONDS = 0.25  # how often what was answered (and the guards) go back to the parent
 EXIT_DEADLINE = 5.0  # a stop that takes longer ends the process anyway
 
 
@@ -83,9 +84,8 @@ def serve(channel: Channel, listen_fd: int | None) -> int:
     channel.send("ready", server.port)
     gc.freeze()  # what start-up built lives as long as the process: no collection scans it
     stop = threading.Event()
-    if observed is not None:
-        threading.Thread(target=_flush, args=(channel, observed, stop), daemon=True,
-                         name="kvbridge-side-channel-report").start()
+    threading.Thread(target=_report, args=(channel, observed, stop), daemon=True,
+                     name="kvbridge-side-channel-report").start()
     try:
         while (message := channel.recv()) is not None and message[0] != "stop":
             if message[0] == "health":
@@ -107,12 +107,17 @@ def serve(channel: Channel, listen_fd: int | None) -> int:
     return 0
 
 
-def _flush(channel: Channel, observed: _Observed, stop: threading.Event) -> None:
+def _report(channel: Channel, observed: _Observed | None, stop: threading.Event) -> None:
+    """What was answered, and the connection guards' figures, to the parent when they
+    change (its metrics show them)."""
+    last: dict[str, tuple[int, int, int, int]] = {}
     while not stop.wait(FLUSH_SECONDS):
-        counts = observed.take()
-        if counts:
+        counts = {} if observed is None else observed.take()
+        guards = guard_stats()
+        if counts or guards != last:
+            last = guards
             try:
-                channel.send("observed", counts)
+                channel.send("observed", counts, guards)
             except OSError:
                 return
 

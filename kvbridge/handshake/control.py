@@ -12,7 +12,8 @@ Parent to child:
   ``("stop",)``  stop serving and exit (end of file means the same).
 Child to parent:
   ``("ready", port)`` or ``("error", exception type name, message)``, once, after "start";
-  ``("observed", {(route, status): (requests, body bytes)})``  what was answered lately;
+  ``("observed", {(route, status): (requests, body bytes)}, {server: guard figures})``
+  what was answered lately, and the connection guards (``kvbridge.guard.guard_stats``);
   ``("republished", n)``  republish n is served (and put in etcd, for that method).
 """
 

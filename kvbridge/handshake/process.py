@@ -18,7 +18,8 @@ pause of one is felt by the other.
   need no new handshake never touch it.
 * The store's payloads go to the child at start, and again on every ``payloads_changed``;
   the instance's health (``health``) is sent whenever it changes. What the child answered
-  comes back to ``observer`` (metrics) every quarter second.
+  comes back to ``observer`` (metrics) every quarter second, and its connection guards'
+  figures to ``GuardMirror``s here (``kvbridge_connections``, ``..._closed_total``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvbridge import errors
 from kvbridge.background import Supervised
 from kvbridge.config import SIDE_CHANNEL_PORT_SETTING, SideChannelConfig
 from kvbridge.errors import SideChannelError
+from kvbridge.guard import GuardMirror
 from kvbridge.handshake.base import HandshakeServer, MetadataStore, Observer
 from kvbridge.handshake.control import Channel, ServerSpec
 from kvbridge.net import listen_socket
@@ -71,6 +73,8 @@ class SideChannelProcess(HandshakeServer):
         self._proc: subprocess.Popen[bytes] | None = None
         self._up = False
         self._health_sent: str | None = None  # what the child was told last
+        # its connection guards, in this process's metrics (kvbridge_connections...)
+        self._guards: dict[str, GuardMirror] = {}
         self._acks = threading.Condition()  # republishes sent, and served by the child
         self._republishes = 0
         self._acked = 0
@@ -231,6 +235,8 @@ class SideChannelProcess(HandshakeServer):
         assert first is not None
         if self._sock is None:
             self._port = first[1]
+        for mirror in self._guards.values():  # a new child counts from zero
+            mirror.restarted()
         self._channel, self._up = channel, True
         if not self._ready.is_set():
             log.info("kvbridge side channel: process %d serving %s on port %d", proc.pid,
@@ -254,6 +260,10 @@ class SideChannelProcess(HandshakeServer):
                 return
             if message and message[0] == "observed":
                 self._observed(message[1])
+                for name, stats in message[2].items():
+                    if name not in self._guards:
+                        self._guards[name] = GuardMirror(name)
+                    self._guards[name].update(stats)
             elif message and message[0] == "republished":
                 with self._acks:
                     self._acked = max(self._acked, message[1])
