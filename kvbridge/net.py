@@ -1,11 +1,14 @@
 """Binding listening ports (``listen_socket``: one helper for the side-channel servers): a
 port in use is a configuration error that names its setting; picking a free port for a
-child process to bind later."""
+child process to bind later; room in the fd table for a server's connections."""
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import os
 import random
+import resource
 import socket
 
 from kvbridge.errors import ConfigError
@@ -101,3 +104,31 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def grow_fd_table(connections: int) -> int:
+    """Size this process's file-descriptor table for ``connections`` more sockets now,
+    before a server accepts them; returns the highest fd number reserved for (capped by
+    the soft ``RLIMIT_NOFILE``).
+
+    Why: the kernel grows the table by doubling when a new fd does not fit, and in a
+    multi-threaded process each growth waits for an RCU grace period (``expand_fdtable``
+    calls ``synchronize_rcu``), milliseconds during which ``accept`` blocks the event loop.
+    A burst of 256 new connections to a fresh process grows the table 64 -> 512 in three
+    such stalls, which a load generator that corrects for coordinated omission reports as
+    a p99 of hundreds of milliseconds (BENCHMARKS.md, section 11a). Taking a high fd once,
+    while starting, leaves a table that never grows under load.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = connections + 256  # the process's own fds (listeners, pipes, libraries)
+    if soft != resource.RLIM_INFINITY:
+        highest = min(highest, soft - 1)
+    base = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        # F_DUPFD takes the lowest free fd >= highest: never replaces an open one (dup2 would).
+        os.close(fcntl.fcntl(base, fcntl.F_DUPFD_CLOEXEC, highest))
+    except OSError:
+        return 0  # no room under the limit: the table grows on demand, as before
+    finally:
+        os.close(base)
+    return highest

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -28,7 +29,7 @@ import pytest
 from kvbridge import background
 from kvbridge.config import SideChannelConfig
 from kvbridge.errors import AuthError, ConfigError
-from kvbridge.guard import GuardCollector
+from kvbridge.guard import ConnectionBudget, GuardCollector
 from kvbridge.handshake import MetadataStore, make_client, side_channel
 from kvbridge.handshake.payloads import PayloadStore
 from kvbridge.handshake.process import SideChannelProcess
@@ -100,6 +101,18 @@ def test_readyz_is_true_only_once_every_rank_is_in() -> None:
     with running(side_channel(config(), full_store(2, ranks=1))) as server:
         assert get(server.port, "/readyz")[0] == 503
         assert get(server.port, "/v1/kv/handshake")[0] == 503
+
+
+@pytest.mark.parametrize("method", ["http", "zmq"])
+def test_the_childs_fd_table_has_room_for_its_connections_before_any_arrive(method: str) -> None:
+    """Grown under load, the table stalls accept for an RCU grace period at each doubling
+    (kvbridge.net.grow_fd_table): a fresh child would start at 64 fds."""
+    budget = ConnectionBudget.load(side_channel=True).max_connections
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    with running(side_channel(config(method), full_store(2))) as server:
+        status = Path(f"/proc/{server.pid}/status").read_text()
+        fd_size = int(status.split("FDSize:")[1].split()[0])
+        assert fd_size >= min(budget, soft), status
 
 
 def test_the_zmq_method_is_served_from_the_child() -> None:

@@ -31,7 +31,7 @@ from kvbridge.handshake.base import MAX_REQUEST_BYTES, HandshakeServer, Metadata
 from kvbridge.handshake.http_fast import responder
 from kvbridge.handshake.http_protocol import PEER_CERT, HeadLimitedHttpTools
 from kvbridge.handshake.http_routes import MSGPACK, PATH, route_name
-from kvbridge.net import listen_socket
+from kvbridge.net import grow_fd_table, listen_socket
 
 __all__ = ["HttpHandshakeServer", "build_app"]
 
@@ -204,6 +204,7 @@ class HttpHandshakeServer(HandshakeServer):
             config.load()
             config.ssl.minimum_version = ssl.TLSVersion.TLSv1_2  # uvicorn has no setting
         self._server = _ThreadServer(config)
+        grow_fd_table(self._limit_concurrency)  # no fd-table growth (an RCU stall) under load
         self._thread = threading.Thread(target=lambda: uvloop.run(
             self._server.serve(sockets=[self._sock])), name="kvbridge-http-side-channel",
             daemon=True)

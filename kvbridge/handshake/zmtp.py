@@ -27,6 +27,7 @@ from collections.abc import Callable
 import uvloop
 
 from kvbridge.guard import ConnectionBudget, ConnectionGuard
+from kvbridge.net import grow_fd_table
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class ZmtpListener:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        grow_fd_table(self.budget.max_connections)  # as the http side channel: no stall under load
         self._thread = threading.Thread(
             target=uvloop.run, args=(self._serve(),), name="kvbridge-zmq-side-channel", daemon=True
         )
