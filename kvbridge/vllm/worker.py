@@ -19,6 +19,7 @@ from kvbridge._nixl import nixl_module, progress_delay
 from kvbridge.handshake.base import HandshakeClient
 from kvbridge.handshake.factory import make_client
 from kvbridge.handshake.payloads import FetchedPayloads, Rank, fetch_payloads
+from kvbridge.vllm.affinity import kept_affinity
 from kvbridge.vllm.holds import KeyedAgent
 from kvbridge.vllm.payload import PAYLOAD_KIND, agent_decoder, log, payload_decoder, validating
 from kvbridge.vllm.settings import PluginSettings
@@ -40,7 +41,9 @@ class KVBridgeWorker(NixlPullConnectorWorker):
         # vLLM builds its NIXL agent here with nixl's busy-polling progress thread, which
         # spins a core even when idle (on vLLM's CPU build, the worker's own core); kvbridge's
         # nixl_progress_delay_us applies to it as to kvbridge's agents (kvbridge/_nixl.py).
-        with progress_delay(nixl_module()):
+        # vLLM also pins this thread, the one that runs the forward, to the machine's last
+        # core on its CPU build; kept_affinity puts it back (kvbridge/vllm/affinity.py).
+        with progress_delay(nixl_module()), kept_affinity():
             super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvbridge_settings = settings
         # (host, port) -> the epoch of the instance last handshaken there ("" over zmq)

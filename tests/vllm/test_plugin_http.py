@@ -97,6 +97,18 @@ def _side_channel(certs: Path, *, cert: bool = True) -> httpx.Client:
     return httpx.Client(verify=ctx, timeout=10.0)
 
 
+def test_each_workers_forward_stays_on_the_core_it_was_given(servers):
+    """vLLM's NIXL worker pins the thread that runs the forward to the machine's last core
+    (stock vLLM on CPU: prefill and decode then compute on one core); the plug-in keeps
+    the core VLLM_CPU_OMP_THREADS_BIND gave it (kvbridge/vllm/affinity.py)."""
+    p, dec, _ = servers
+    for server, core in ((p, "0"), (dec, "1")):
+        (worker, _), = group_processes(server.proc.pid, "VLLM::Worker")
+        status = Path(f"/proc/{worker}/status").read_text()
+        allowed = status.split("Cpus_allowed_list:")[1].split()[0]
+        assert allowed == core, f"{server.name}'s worker runs on cores {allowed}"
+
+
 def test_wrong_token_is_refused_fast_and_the_prefill_keeps_serving(servers, certs):
     p, d, wrong = servers
     params = prefill(p.url, PROMPT, REQUEST_TIMEOUT)
