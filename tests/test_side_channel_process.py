@@ -18,6 +18,8 @@ import ssl
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -202,6 +204,23 @@ def test_the_childs_connection_guard_is_in_the_parents_metrics() -> None:
         finally:
             for s in idle:
                 s.close()
+
+
+def test_without_a_health_to_follow_the_supervisor_never_wakes_for_nothing() -> None:
+    """The vLLM plug-in gives no health: its supervisor thread, in vLLM's engine core,
+    waits on the child alone (it polled every 0.1 s). Counted over a 1 s window of an idle
+    child: the thread's voluntary context switches, from /proc."""
+    with running(side_channel(config(), full_store(2))) as server:
+        assert get(server.port, "/readyz")[0] == 200
+        (tid,) = [t.native_id for t in threading.enumerate() if t.name == "kvbridge-side-channel"]
+
+        def switches() -> int:
+            status = Path(f"/proc/self/task/{tid}/status").read_text()
+            return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+        before = switches()
+        time.sleep(1.0)  # the window measured, not a wait for anything
+        assert switches() - before <= 2
 
 
 def test_a_killed_child_is_restarted_and_seen_down_meanwhile() -> None:

@@ -250,7 +250,9 @@ class SideChannelProcess(HandshakeServer):
         """Until the child ends: what it answered to the observer, the instance's health
         to it whenever it changes."""
         self._health_sent = health
-        channel.sock.settimeout(HEALTH_POLL)
+        # No health to follow (the vLLM plug-in): wait for the child only, so this thread
+        # in vLLM's engine core never wakes for nothing.
+        channel.sock.settimeout(None if self._health is None else HEALTH_POLL)
         while True:
             try:
                 message = channel.recv()
