@@ -381,9 +381,11 @@ def test_a_silent_peer_never_delays_another(decode, instance_a):
     """Handshakes to different peers run side by side: one whose side channel accepts
     and never answers does not hold up a healthy one."""
     store = _store(instance_a)
-    with RawServer(lambda conn: conn.recv(1 << 16) and threading.Event().wait(30)) as silent, \
-            running("http", store) as server, \
-            manager(decode, {"http": _client("http", timeout=20)}) as mgr:
+    # The manager outermost: the silent server closes its connection first on the way
+    # out, so the stuck handshake ends there rather than at its 20 s timeout.
+    with manager(decode, {"http": _client("http", timeout=20)}) as mgr, \
+            RawServer(lambda conn: conn.recv(1 << 16) and threading.Event().wait(30)) as silent, \
+            running("http", store) as server:
         stuck = mgr.connect("silent-0", HOST, silent.port, REMOTE_TP, method="http")
         healthy = mgr.connect("prefill-0", HOST, server.port, REMOTE_TP, method="http")
         assert healthy.result(15).engine_id == "prefill-0"
