@@ -4,7 +4,8 @@ at TP 1 read by a decode at TP 2, and a prefill at TP 2 read by a decode at TP 1
 SmolLM2-135M's 3 KV heads do not split over 2 ranks, so the module writes a 2-layer Llama
 with 2 KV heads (head_dim 64) and random weights (kvbridge.testing.checkpoints), with
 SmolLM2's tokenizer. Two servers, each both prefill and decode (``kv_both``): ``tp1`` on
-core 0, ``tp2`` with its ranks on cores 0 and 1. Each direction checks the decode's greedy
+core 0, ``tp2`` with both ranks on core 1 (instances on disjoint cores: with ``tp2`` on
+``0|1``, core 0 double-booked, decode handshakes timed out in 4 of 8 runs; docs/vllm.md §5d). Each direction checks the decode's greedy
 text against its own answer computed without a transfer, the NIXL bytes read against the
 exact size of the prompt's KV blocks (each TP-2 decode rank reads its half of the heads,
 a TP-1 decode both halves, one from each prefill rank), the READs validated by block tags,
@@ -48,7 +49,7 @@ def servers(model: Path, tmp_path_factory: pytest.TempPathFactory
     http = {"handshake_method": "http"}
     tp1 = VllmServer.start(ckpt, name="tp1", core=0, log_dir=d, max_model_len=512,
                            extra_config=http, extra_args=ARGS)
-    tp2 = VllmServer.start(ckpt, name="tp2", core="0|1", log_dir=d, max_model_len=512,
+    tp2 = VllmServer.start(ckpt, name="tp2", core="1|1", log_dir=d, max_model_len=512,
                            tensor_parallel_size=2, extra_config=http, extra_args=ARGS)
     with running(tp1, tp2):
         yield {"tp1": tp1, "tp2": tp2}
