@@ -106,10 +106,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def grow_fd_table(connections: int) -> int:
+def grow_fd_table(connections: int) -> None:
     """Size this process's file-descriptor table for ``connections`` more sockets now,
-    before a server accepts them; returns the highest fd number reserved for (capped by
-    the soft ``RLIMIT_NOFILE``).
+    before a server accepts them (capped by the soft ``RLIMIT_NOFILE``).
 
     Why: the kernel grows the table by doubling when a new fd does not fit, and in a
     multi-threaded process each growth waits for an RCU grace period (``expand_fdtable``
@@ -128,7 +127,6 @@ def grow_fd_table(connections: int) -> int:
         # F_DUPFD takes the lowest free fd >= highest: never replaces an open one (dup2 would).
         os.close(fcntl.fcntl(base, fcntl.F_DUPFD_CLOEXEC, highest))
     except OSError:
-        return 0  # no room under the limit: the table grows on demand, as before
+        pass  # no room under the limit: the table grows on demand, as before
     finally:
         os.close(base)
-    return highest

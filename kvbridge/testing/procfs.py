@@ -6,7 +6,16 @@ import os
 from pathlib import Path
 
 __all__ = ["children", "cpu_seconds", "gone", "group_cpu_seconds", "group_processes",
-           "instance_rss_mib"]
+           "instance_rss_mib", "status_field"]
+
+
+def status_field(task: str, name: str) -> str:
+    """The first word of field ``name`` of ``/proc/<task>/status`` (``task``: ``"1234"``,
+    or ``"self/task/1235"`` for a thread): ``FDSize``, ``Cpus_allowed_list``, ..."""
+    for line in Path(f"/proc/{task}/status").read_text().splitlines():
+        if line.startswith(name + ":"):
+            return line.split()[1]
+    raise KeyError(f"/proc/{task}/status has no {name}")
 
 
 def _vm_rss_kib(pid: int) -> int:

@@ -5,11 +5,12 @@ SmolLM2-135M's 3 KV heads do not split over 2 ranks, so the module writes a 2-la
 with 2 KV heads (head_dim 64) and random weights (kvbridge.testing.checkpoints), with
 SmolLM2's tokenizer. Two servers, each both prefill and decode (``kv_both``): ``tp1`` on
 core 0, ``tp2`` with both ranks on core 1 (instances on disjoint cores: with ``tp2`` on
-``0|1``, core 0 double-booked, decode handshakes timed out in 4 of 8 runs; docs/vllm.md §5d). Each direction checks the decode's greedy
-text against its own answer computed without a transfer, the NIXL bytes read against the
-exact size of the prompt's KV blocks (each TP-2 decode rank reads its half of the heads,
-a TP-1 decode both halves, one from each prefill rank), the READs validated by block tags,
-and that each decode rank handshook only with the prefill rank(s) it reads from."""
+``0|1``, core 0 double-booked, decode handshakes timed out in 4 of 8 runs; docs/vllm.md
+§5d). Each direction checks the decode's greedy text against its own answer computed
+without a transfer, the NIXL bytes read against the exact size of the prompt's KV blocks
+(each TP-2 decode rank reads its half of the heads, a TP-1 decode both halves, one from
+each prefill rank), the READs validated by block tags, and that each decode rank
+handshook only with the prefill rank(s) it reads from."""
 
 from __future__ import annotations
 

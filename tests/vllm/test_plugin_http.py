@@ -21,7 +21,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.launch import KVBridgeProcess, free_port, read_metric
 from kvbridge.net import listen_socket
 from kvbridge.testing.etcd import EtcdProcess
-from kvbridge.testing.procfs import gone, group_processes
+from kvbridge.testing.procfs import gone, group_processes, status_field
 from kvbridge.vllm.launch import VllmServer, decode, pd_text, prefill
 from tests.helpers import wait_until
 from tests.vllm.conftest import (
@@ -104,8 +104,7 @@ def test_each_workers_forward_stays_on_the_core_it_was_given(servers):
     p, dec, _ = servers
     for server, core in ((p, "0"), (dec, "1")):
         (worker, _), = group_processes(server.proc.pid, "VLLM::Worker")
-        status = Path(f"/proc/{worker}/status").read_text()
-        allowed = status.split("Cpus_allowed_list:")[1].split()[0]
+        allowed = status_field(str(worker), "Cpus_allowed_list")
         assert allowed == core, f"{server.name}'s worker runs on cores {allowed}"
 
 
