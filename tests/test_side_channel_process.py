@@ -279,23 +279,51 @@ PARENT = textwrap.dedent("""
 """)
 
 
+# Runs PARENT, and becomes the reaper of its orphans (PR_SET_CHILD_SUBREAPER): once the
+# parent is killed, its side-channel child is this script's to wait for, and how it ended
+# can be told.
+REAPER = textwrap.dedent("""
+    import ctypes, json, os, subprocess, sys
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    parent = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    info = json.loads(parent.stdout.readline())
+    print(json.dumps(info), flush=True)
+    sys.stdin.readline()  # the test has looked at the running child
+    parent.kill()
+    parent.wait()
+    _, status = os.waitpid(info["pid"], 0)  # the whole child, its last thread included
+    print(json.dumps({"signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                      "code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None}),
+          flush=True)
+""")
+
+
 @pytest.mark.parametrize("method", ["http", "zmq"])
 def test_a_parent_killed_with_sigkill_leaves_no_process_and_no_port(method: str) -> None:
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, method], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True,
+    """The kernel kills the child with its parent (no graceful stop that would hold the
+    port while it drains keep-alive peers): once it is reaped, the port is free, so an
+    instance restarted at once on the same ports binds them."""
+    reaper = subprocess.Popen([sys.executable, "-c", REAPER, PARENT, method],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    peer = None
     try:
-        info = json.loads(parent.stdout.readline())
+        info = json.loads(reaper.stdout.readline())
         assert not gone(info["pid"])
+        # a keep-alive peer, which a graceful stop would wait for
+        peer = socket.create_connection(("127.0.0.1", info["port"]), timeout=5)
         if method == "http":
             assert get(info["port"], "/readyz")[0] == 200
-        parent.kill()
-        parent.wait()
-        wait_until(lambda: gone(info["pid"]), 10, "the child gone with its parent")
-        # Its leader shows as a zombie while its last threads still exit (and hold the
-        # socket): the port is freed a moment later, never held on.
-        wait_until(lambda: port_free(info["port"]), 10, "the side channel's port free")
+        reaper.stdin.write("kill\n")
+        reaper.stdin.flush()
+        ended = json.loads(reaper.stdout.readline())
+        assert ended == {"signal": signal.SIGKILL, "code": None}
+        assert gone(info["pid"])
+        assert port_free(info["port"])
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
+        if peer is not None:
+            peer.close()
+        if reaper.poll() is None:
+            reaper.kill()
+            reaper.wait()

@@ -2,10 +2,14 @@
 ``kvbridge.handshake.process.SideChannelProcess`` (never by hand).
 
 It builds the server its parent describes (``kvbridge.handshake.control.ServerSpec``) on
-the listening socket it inherits, answers, and reports what it answered. It exits when
-told to, when its control socket ends, or on SIGTERM, which the kernel sends when the
-parent dies (``PR_SET_PDEATHSIG``): it never outlives its parent, and its sockets close
-with it.
+the listening socket it inherits, answers, and reports what it answered. It stops
+gracefully when told to, when its control socket ends, or on SIGTERM. It never outlives
+its parent (``PR_SET_PDEATHSIG``): a child that listens is killed with it (SIGKILL), so its
+port is free the moment it is reaped, with no Python left to run. A graceful stop there
+would serve a dead instance's metadata for a while (up to a second of draining TLS
+keep-alive peers), long enough for the instance restarted on the same ports to find the
+port still taken. An etcd child, which has no port, gets SIGTERM instead and revokes its
+record on the way out.
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ class _Stop(Exception):
     """SIGTERM: stop serving."""
 
 
-def _die_with_parent(parent: int) -> None:
+def _die_with_parent(parent: int, listens: bool) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+    sig = signal.SIGKILL if listens else signal.SIGTERM  # see the module's docstring
+    if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
         log.warning("PR_SET_PDEATHSIG failed (errno %d): relying on the control socket",
                     ctypes.get_errno())
     if os.getppid() != parent:  # it died before the line above: nobody is left to serve
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s kvbridge side-channel[%(process)d] "
                                "%(levelname)s %(message)s")
-    _die_with_parent(args.parent)
+    _die_with_parent(args.parent, listens=args.listen_fd is not None)
     channel = Channel(socket.socket(fileno=args.control_fd))
     try:
         return serve(channel, args.listen_fd)

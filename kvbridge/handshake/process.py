@@ -9,9 +9,11 @@ pause of one is felt by the other.
   bind error reported, before the child runs; connections that arrive while a child
   restarts wait in the backlog.
 * The child never outlives this process, however it dies (SIGKILL included): the kernel
-  sends it SIGTERM when the thread that started it ends (``PR_SET_PDEATHSIG``; that thread
-  is the supervisor's, which lives until ``stop``), and its control socket reaches end of
-  file. Either way it closes its sockets and exits.
+  kills it when the thread that started it ends (``PR_SET_PDEATHSIG``; that thread is the
+  supervisor's, which lives until ``stop``): with SIGKILL, so the port is free for an
+  instance restarted at once on the same ports (an etcd child, with no port, gets SIGTERM
+  and revokes its record). Should that fail, its control socket reaches end of file and
+  it stops by itself.
 * A child that dies is restarted with backoff by ``kvbridge.background.Supervised``; while
   it waits, ``problem`` says why, ``/health`` of the instance answers 503 naming it, and
   ``kvbridge_background_thread_up{thread="kvbridge-side-channel"}`` is 0. Requests that
