@@ -25,6 +25,9 @@ class Watchdog:
         self._live: set[int] = set()
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        # When the thread wakes next by itself: a deadline later than that needs no wake-up
+        # (one per fetch would be a thread switch, and a GIL hand-off, on every request).
+        self._wakes_at = float("inf")
 
     def arm(self, deadline: float, action: Callable[[], object]) -> Armed:
         """Call ``action`` at ``deadline`` (``time.monotonic()``) unless the returned
@@ -36,7 +39,8 @@ class Watchdog:
             seq = next(self._seq)
             heapq.heappush(self._heap, (deadline, seq, action))
             self._live.add(seq)
-            if self._heap[0][1] == seq:
+            if deadline < self._wakes_at:
+                self._wakes_at = deadline  # the thread may still be on its way to waiting
                 self._cond.notify()
         return Armed(self, seq)
 
@@ -58,11 +62,20 @@ class Watchdog:
                 while self._heap and self._heap[0][1] not in self._live:
                     heapq.heappop(self._heap)
                 if not self._heap:
-                    self._cond.wait()
+                    # Keep sleeping towards the last deadline set: fetches that arm and
+                    # cancel one after another then never wake this thread (a deadline
+                    # later than that one needs no wake-up).
+                    left = self._wakes_at - time.monotonic()
+                    if left > 0:
+                        self._cond.wait(left)
+                    else:
+                        self._wakes_at = float("inf")
+                        self._cond.wait()
                     continue
                 deadline, seq, action = self._heap[0]
                 left = deadline - time.monotonic()
                 if left > 0:
+                    self._wakes_at = deadline
                     self._cond.wait(left)
                     continue
                 heapq.heappop(self._heap)

@@ -1,5 +1,6 @@
-"""The ``http`` side channel's client: HTTP/1.1 on the standard library's ``http.client``,
-bounded by one deadline per fetch (``deadline_watchdog``) and by ``max_message_bytes``.
+"""The ``http`` side channel's client: HTTP/1.1 on a socket, the request written whole and
+the reply read by ``http_reply`` (llhttp), bounded by one deadline per fetch
+(``deadline_watchdog``) and by ``max_message_bytes``.
 
 One keep-alive connection per peer (a small pool of idle ones when several threads fetch at
 once); TLS contexts and sessions from ``tls_sessions``, shared by every client with the same
@@ -19,9 +20,9 @@ is forgotten until the next fetch. ``warm(host, port)`` does the same once, on d
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import logging
+import re
 import select
 import socket
 import ssl
@@ -39,6 +40,7 @@ from kvbridge.errors import (
 from kvbridge.handshake.authz import TokenSet
 from kvbridge.handshake.base import HandshakeClient, Reply
 from kvbridge.handshake.deadline_watchdog import WATCHDOG
+from kvbridge.handshake.http_reply import ClosedBeforeAnswer, read_reply
 from kvbridge.handshake.http_routes import MSGPACK, handshake_path
 from kvbridge.handshake.tls_sessions import TlsSessions, tls_sessions
 
@@ -54,6 +56,9 @@ KEEP_WARM_PATH = "/healthz"
 # well under a millisecond) before it opens a new one: a fetch should not pay a connect
 # because a ping happened to hold the only warm connection.
 WARM_WAIT_S = 0.5
+
+# What a header value may hold: visible Latin-1, spaces and tabs (no CR, LF or NUL).
+_HEADER_SAFE = re.compile(r"[\t\x20-\x7e\xa0-\xff]*")
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +90,7 @@ class HttpHandshakeClient(HandshakeClient):
         self._lock = threading.Lock()
         self._returned = threading.Condition(self._lock)  # a connection went back idle
         self._warming: set[tuple[str, int]] = set()  # peers with a keep-warm request out
-        self._headers = {"accept": MSGPACK}
-        if self.token:
-            self._headers["authorization"] = f"Bearer {self.token}"
+        self._requests: dict[tuple[str, int, str, str | None], bytes] = {}
         self._token_file = None if not (token_file and self.token) else TokenSet(
             {"token": self.token}, path=token_file)
         self.keep_warm = keep_warm
@@ -96,10 +99,23 @@ class HttpHandshakeClient(HandshakeClient):
         self._stop = threading.Event()
         self._warmer: threading.Thread | None = None
 
-    def _request_headers(self) -> dict[str, str]:
-        if self._token_file is None:
-            return self._headers
-        return {**self._headers, "authorization": f"Bearer {self._token_file.current()}"}
+    def _request_bytes(self, host: str, port: int, path: str) -> bytes:
+        """The whole GET, kept per peer, path and token (the token file may rotate)."""
+        token = self.token if self._token_file is None else self._token_file.current()
+        key = (host, port, path, token)
+        request = self._requests.get(key)
+        if request is None:
+            h = f"[{host.strip('[]')}]" if ":" in host else host
+            head = f"GET {path} HTTP/1.1\r\nHost: {h}:{port}\r\nAccept: {MSGPACK}\r\n"
+            if token:
+                if not _HEADER_SAFE.fullmatch(token):  # no header injection, as http.client
+                    raise ValueError("the token has a character an HTTP header cannot carry")
+                head += f"Authorization: Bearer {token}\r\n"
+            request = (head + "\r\n").encode("latin-1")
+            if len(self._requests) >= MAX_WARM_PEERS:
+                self._requests.clear()
+            self._requests[key] = request
+        return request
 
     def idle_sockets(self, host: str, port: int) -> list[socket.socket]:
         """The sockets of the idle keep-alive connections kept for ``host:port``."""
@@ -192,14 +208,13 @@ class HttpHandshakeClient(HandshakeClient):
                 try:
                     status, body, keep = self._exchange(conn, path, url, deadline)
                     break
-                except (http.client.RemoteDisconnected, ConnectionResetError,
-                        BrokenPipeError):
+                except (ClosedBeforeAnswer, ConnectionResetError, BrokenPipeError):
                     conn.close()
                     if not reused or time.monotonic() >= deadline:
                         raise
                     # The peer closed an idle keep-alive connection: once more, on a new one.
                     conn, reused = None, False
-        except (http.client.HTTPException, OSError, ValueError, WireFormatError) as e:
+        except (OSError, ValueError, WireFormatError) as e:
             for c in current:
                 c.close()
             if time.monotonic() >= deadline:  # cut by the watchdog: whatever broke, it's late
@@ -269,64 +284,36 @@ class HttpHandshakeClient(HandshakeClient):
                   deadline: float) -> tuple[int, bytes, bool]:
         """Send the GET, read the capped reply: (status, body, connection reusable)."""
         conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        conn.http.request("GET", path, headers=self._request_headers())
-        resp = conn.http.getresponse()
-        body = self._read_capped(resp, url)
+        conn.sock.sendall(self._request_bytes(conn.host, conn.port, path))
+        reply = read_reply(conn.sock, self.max_message_bytes, url)
         conn.remember_session(self._tls)
-        return resp.status, body, not resp.will_close
+        return reply
 
     def _translate(self, e: Exception, url: str) -> Exception:
         """A transport failure before the deadline, as the error a caller can act on."""
         if isinstance(e, ssl.SSLError | ssl.CertificateError):
             return HandshakeError(f"TLS with {url} failed: {e}")
-        if isinstance(e, http.client.RemoteDisconnected | ConnectionResetError
-                      | BrokenPipeError):
+        if isinstance(e, ClosedBeforeAnswer | ConnectionResetError | BrokenPipeError):
             hint = ("does it require a client certificate (mTLS)?" if self.scheme == "https"
                     else "is it a TLS server spoken to in plaintext?")
             return HandshakeError(f"{url} closed the connection without an answer ({e}); {hint}")
-        if isinstance(e, http.client.HTTPException):  # it answered, but not in HTTP
-            return WireFormatError(f"{url} answered something that is not HTTP: "
-                                   f"{type(e).__name__}: {e}")
         if isinstance(e, TimeoutError):
             return HandshakeTimeout(f"http handshake with {url}: no answer within "
                                     f"{self.timeout:g}s")
         return HandshakeError(f"http handshake with {url}: {type(e).__name__}: {e}")
 
-    def _read_capped(self, resp: http.client.HTTPResponse, url: str) -> bytes:
-        """The body, at most ``max_message_bytes``; a body shorter than declared is an error."""
-        limit = self.max_message_bytes
-        declared = resp.getheader("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise WireFormatError(f"{url}: reply of {declared} bytes exceeds the limit of {limit}")
-        chunks, size = [], 0
-        while True:
-            chunk = resp.read(min(65536, limit + 1 - size))
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > limit:
-                raise WireFormatError(f"{url}: reply exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-        if resp.length:  # http.client returns short bodies silently when the peer closes
-            raise WireFormatError(f"{url}: reply body ended {resp.length} bytes short")
-        return b"".join(chunks)
-
 
 class _Connection:
-    """One keep-alive connection: its socket (TLS-wrapped or not) and the http.client
-    object that speaks HTTP/1.1 on it."""
+    """One keep-alive connection: its socket, TLS-wrapped or not."""
 
     def __init__(self, host: str, port: int, sock: socket.socket):
         self.host, self.port, self.sock = host, port, sock
-        self.http = http.client.HTTPConnection(host.strip("[]"), port)
-        self.http.sock = sock
         self.resumed = False
 
     def wrap(self, tls: TlsSessions) -> None:
         session = tls.session(self.host, self.port)
         self.sock = tls.context.wrap_socket(self.sock, server_hostname=self.host.strip("[]"),
                                             session=session)
-        self.http.sock = self.sock
         self.resumed = self.sock.session_reused
 
     def remember_session(self, tls: TlsSessions | None) -> None:
@@ -355,8 +342,6 @@ class _Connection:
             socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.http.close()
         with contextlib.suppress(OSError):
             self.sock.close()
 
