@@ -13,7 +13,8 @@ the package: errors, config, guard, metadata, net, background, registry):
 * ``http_server``        the http server: Starlette app, body limit, observer, threaded uvicorn
 * ``deadline_watchdog``  one thread that cuts a connection when its fetch's deadline passes
 * ``tls_sessions``       TLS client contexts and sessions shared per setting, bounded
-* ``http_client``        the http client on ``http.client``: keep-alive pool, capped replies
+* ``http_reply``         one HTTP/1.1 reply read off a socket (llhttp), head and body bounded
+* ``http_client``        the http client: keep-alive pool, requests written whole, capped replies
 * ``zmtp``               ZMTP 3.0 by hand, bounded: the shared framing and the listener
 * ``zmtp_client``        the ZMTP client: a DEALER connection, each reply bounded in frames and bytes
 * ``zmq``                the zmq method's messages, server and client (on ``zmtp``)
