@@ -28,7 +28,8 @@ Per setup:
 * **TTFT p50 at 1 in flight**: P/D driven with vLLM's protocol (prefill with
   ``do_remote_decode`` and ``max_tokens: 1``, then the decode, streamed, with the
   returned ``kv_transfer_params``): time from sending the prefill request to the decode's
-  first token;
+  first token, and its two parts: the prefill's answer, and from there the decode's first
+  token (its handshake, the KV READ and one decode step);
 * **throughput at 8 in flight**: output tokens/s of the same P/D requests, 8 at a time
   (over all rounds, and each round's, to show the spread).
 
@@ -130,6 +131,8 @@ class _Pair:
     token: str
     model_name: str = "model"
     ttft: list[float] = field(default_factory=list)  # seconds, 1 in flight, every round
+    prefill_answer: list[float] = field(default_factory=list)  # ttft's two parts
+    decode_first: list[float] = field(default_factory=list)
     tokens_8: int = 0
     seconds_8: float = 0.0
     rounds_8: list[float] = field(default_factory=list)  # tokens/s of each round
@@ -231,6 +234,8 @@ def _round(pair: _Pair, args: argparse.Namespace, r: int, rounds: int) -> float:
     eight = closed_loop(pair.prefill, pair.decode, pair.model_name, 8, n8,
                          args.output_tokens, 500 + 1000 * r, raw=True)
     pair.ttft += one["ttft_s"]
+    pair.prefill_answer += one["prefill_s"]
+    pair.decode_first += one["decode_first_s"]
     pair.tokens_8 += eight["tokens"]
     pair.seconds_8 += eight["seconds"]
     pair.rounds_8.append(eight["tokens_per_s"])
@@ -245,6 +250,9 @@ def _round(pair: _Pair, args: argparse.Namespace, r: int, rounds: int) -> float:
 def _result(pair: _Pair) -> dict[str, Any]:
     return {**pair.warm_up,
             "ttft_1_in_flight_ms": percentiles(pair.ttft, (50, 99)),
+            "ttft_parts_1_in_flight_ms": {
+                "prefill_answer": percentiles(pair.prefill_answer, (50, 99)),
+                "decode_first_token": percentiles(pair.decode_first, (50, 99))},
             "tokens_per_s_8_in_flight": pair.tokens_8 / pair.seconds_8 if pair.seconds_8
             else 0.0,
             "tokens_per_s_8_by_round": pair.rounds_8,
@@ -334,6 +342,11 @@ def summary(r: dict[str, Any]) -> str:
                      f"{v['handshake_cold_ms']['p50']:>10.2f}ms "
                      f"{v['handshake_warm_ms']['p50']:>10.2f}ms "
                      f"{v['errors_1'] + v['errors_8']:>6}  {counts or '-'}")
+        parts = v.get("ttft_parts_1_in_flight_ms")
+        if parts:
+            lines.append(f"{'':16} TTFT p50 = prefill's answer "
+                         f"{parts['prefill_answer']['p50']:.1f} ms + decode's first token "
+                         f"{parts['decode_first_token']['p50']:.1f} ms (p50 of each)")
         if "tag_read_share" in reads:
             lines.append(f"{'':16} tag READ {reads['tag_read_mean_ms']:.3f} ms against data "
                          f"READ {reads['data_read_mean_ms']:.3f} ms (mean): "

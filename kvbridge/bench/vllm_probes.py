@@ -33,11 +33,12 @@ def closed_loop(prefill: str, decode: str, model: str, concurrency: int, n: int,
                                    "remote_host": None, "remote_port": None}})
         if r.status_code != 200:
             raise RuntimeError(f"prefill {r.status_code}: {r.text[:200]}")
+        t1 = time.perf_counter()  # the prefill's answer: its TTFT (a 1-token completion)
         got = await stream_completion(client, decode + "/v1/completions", {
             **body, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "kv_transfer_params": r.json().get("kv_transfer_params")})
         return {"ttft": got["first"] - t0, "latency": got["last"] - t0,
-                "tokens": got["chunks"]}
+                "tokens": got["chunks"], "prefill": t1 - t0, "decode_first": got["first"] - t1}
 
     loop = run_closed_loop(concurrency, n, send)
     results, wall = loop.results, loop.seconds
@@ -46,7 +47,9 @@ def closed_loop(prefill: str, decode: str, model: str, concurrency: int, n: int,
            "error_samples": loop.errors[:3], "tokens_per_s": tokens / wall if wall else 0.0,
            "ttft_ms": percentiles([r["ttft"] for r in results], (50, 99))}
     if raw:
-        out.update(ttft_s=[r["ttft"] for r in results], tokens=tokens, seconds=wall)
+        out.update(ttft_s=[r["ttft"] for r in results], tokens=tokens, seconds=wall,
+                   prefill_s=[r["prefill"] for r in results],
+                   decode_first_s=[r["decode_first"] for r in results])
     return out
 
 
