@@ -277,6 +277,10 @@ class HttpHandshakeClient(HandshakeClient):
         current.append(conn)  # the watchdog can cut the TLS handshake too
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._tls is not None:
+            if self._tls.session(host, port) is None:  # one an idle connection holds
+                with self._lock:
+                    for idle in self._idle.get((host, port), []):
+                        idle.remember_session()
             conn.wrap(self._tls)
         return conn
 
@@ -286,7 +290,7 @@ class HttpHandshakeClient(HandshakeClient):
         conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
         conn.sock.sendall(self._request_bytes(conn.host, conn.port, path))
         reply = read_reply(conn.sock, self.max_message_bytes, url)
-        conn.remember_session(self._tls)
+        conn.answered = True
         return reply
 
     def _translate(self, e: Exception, url: str) -> Exception:
@@ -309,19 +313,25 @@ class _Connection:
     def __init__(self, host: str, port: int, sock: socket.socket):
         self.host, self.port, self.sock = host, port, sock
         self.resumed = False
+        self.answered = False  # a reply was read (a TLS 1.3 ticket arrives with it)
+        self._tls: TlsSessions | None = None
 
     def wrap(self, tls: TlsSessions) -> None:
         session = tls.session(self.host, self.port)
         self.sock = tls.context.wrap_socket(self.sock, server_hostname=self.host.strip("[]"),
                                             session=session)
+        self._tls = tls
         self.resumed = self.sock.session_reused
 
-    def remember_session(self, tls: TlsSessions | None) -> None:
-        # TLS 1.3 tickets arrive after the handshake: the session is known once we read.
-        if tls is not None and not self.resumed:
+    def remember_session(self) -> None:
+        """Keep this connection's TLS session for the next connection to the peer. Not
+        done on a fetch's path: Python copies a session through its DER form, certificates
+        and all (~0.2 ms), so it is taken when the connection closes, or when another
+        connection to the peer is about to be made while this one is idle."""
+        if self._tls is not None and self.answered and not self.resumed:
             session = getattr(self.sock, "session", None)
             if session is not None:
-                tls.remember(self.host, self.port, session)
+                self._tls.remember(self.host, self.port, session)
                 self.resumed = True  # one ticket per connection is enough
 
     def usable(self) -> bool:
@@ -342,6 +352,8 @@ class _Connection:
             socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
 
     def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.remember_session()
         with contextlib.suppress(OSError):
             self.sock.close()
 

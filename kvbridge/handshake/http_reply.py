@@ -101,16 +101,14 @@ def read_reply(sock: socket.socket, limit: int, url: str) -> tuple[int, bytes, b
     reply = _Reply(parser_of, limit, url)
     parser = httptools.HttpResponseParser(reply)
     parser_of.append(parser)
-    buf = bytearray(RECV_BYTES)
-    view = memoryview(buf)
     fed = 0
     while not reply.done:
-        n = sock.recv_into(buf)
-        if n == 0:
+        data = sock.recv(RECV_BYTES)  # sized to what came (a zeroed buffer costs more)
+        if not data:
             return _at_eof(reply, parser, fed, url)
-        fed += n
+        fed += len(data)
         try:
-            parser.feed_data(view[:n])
+            parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # a 101: no answer to a GET of ours
             raise WireFormatError(f"{url} answered an upgrade to another protocol") from None
         except httptools.HttpParserError as e:
