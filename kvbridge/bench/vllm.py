@@ -24,7 +24,8 @@ Per setup:
   (then 8 untimed requests at 8 in flight: every setup enters its rounds equally warm);
 * **handshake latency**, measured from this process against the prefill's side channel
   (rank 0's metadata, what a decode worker fetches): *cold* = a new connection per fetch
-  (TCP, and TLS for https), *warm* = one kept-alive connection;
+  (TCP, and TLS for https), *warm* = one kept-alive connection; timed 1.5 s after the
+  last request, once vLLM's workers have stopped polling their queues;
 * **TTFT p50 at 1 in flight**: P/D driven with vLLM's protocol (prefill with
   ``do_remote_decode`` and ``max_tokens: 1``, then the decode, streamed, with the
   returned ``kv_transfer_params``): time from sending the prefill request to the decode's
@@ -73,6 +74,7 @@ from kvbridge.vllm.launch import VllmServer
 
 SETUPS = ("native", "zmq", "http", "https", "http-unvalidated", "http-busy")
 START_TIMEOUT = 1200.0  # a pair of vLLM servers on a busy 2-core machine
+SETTLE_S = 1.5  # after requests, before the fetches: vLLM's 1 s of busy polling is over
 BUSY_PROGRESS = {"KVBRIDGE_NIXL_PROGRESS_DELAY_US": "0"}  # nixl's own: a busy-polling thread
 QUICK = {"requests": 3, "throughput_requests": 8, "fetches": 20, "output_tokens": 4,
          "rounds": 1}
@@ -204,6 +206,9 @@ def _warm_up(pair: _Pair, args: argparse.Namespace) -> None:
     warm_1 = closed_loop(pair.prefill, pair.decode, pair.model_name, 1, 3,
                           args.output_tokens, 10)
     closed_loop(pair.prefill, pair.decode, pair.model_name, 8, 8, args.output_tokens, 20)
+    # vLLM's workers poll their queue, spinning, for a second after their last step
+    # (busy_loop_s): the fetches are timed once that is over, for every setup alike.
+    time.sleep(SETTLE_S)
     if pair.setup in ("native", "zmq"):
         cold = fetch_zmq(pair.side_port, args.fetches, warm=False)
         warm = fetch_zmq(pair.side_port, args.fetches, warm=True)
