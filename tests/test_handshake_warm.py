@@ -218,6 +218,26 @@ def test_deadline_bounds_a_known_peers_resumed_reconnect(certs, made):
         assert client.known_peers() == []  # a peer that does not answer is not kept warm
 
 
+def test_a_kept_connection_the_peer_closed_just_after_answering_is_replaced_once(made):
+    """A connection that answered a moment ago is reused without a look (no select); when
+    the peer closed it all the same (one request per connection, no ``connection: close``
+    said), the fetch retries once on a new connection and succeeds."""
+    body = encode_envelope(compat(), [rank_meta(0)])
+    connections = []
+
+    def one_answer_then_close(conn: socket.socket) -> None:
+        connections.append(conn)
+        read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        conn.shutdown(socket.SHUT_RDWR)
+
+    with RawServer(one_answer_then_close) as srv:
+        client = _client(made, None)
+        for _ in range(3):
+            assert client.fetch(HOST, srv.port, 0) == [rank_meta(0)]
+        assert len(connections) == 3
+
+
 def test_keep_warm_must_be_positive():
     with pytest.raises(ValueError, match="keep_warm"):
         HttpHandshakeClient(1.0, compat(), keep_warm=0)

@@ -56,6 +56,8 @@ KEEP_WARM_PATH = "/healthz"
 # well under a millisecond) before it opens a new one: a fetch should not pay a connect
 # because a ping happened to hold the only warm connection.
 WARM_WAIT_S = 0.5
+# A connection that answered this recently is taken as open without a look (see fresh).
+FRESH_S = 1.0
 
 # What a header value may hold: visible Latin-1, spaces and tabs (no CR, LF or NUL).
 _HEADER_SAFE = re.compile(r"[\t\x20-\x7e\xa0-\xff]*")
@@ -245,7 +247,7 @@ class HttpHandshakeClient(HandshakeClient):
                 conns = self._idle.get((host, port))
                 while conns:
                     conn = conns.pop()
-                    if conn.usable():
+                    if conn.fresh() or conn.usable():
                         return conn
                     conn.close()
                 left = None if wait_until is None else wait_until - time.monotonic()
@@ -282,15 +284,18 @@ class HttpHandshakeClient(HandshakeClient):
                     for idle in self._idle.get((host, port), []):
                         idle.remember_session()
             conn.wrap(self._tls)
+        # Set once, not per request (each settimeout is a syscall): a bound on every
+        # socket operation as a second line; the fetch's deadline is the watchdog's.
+        conn.sock.settimeout(self.timeout)
         return conn
 
     def _exchange(self, conn: _Connection, path: str, url: str,
                   deadline: float) -> tuple[int, bytes, bool]:
         """Send the GET, read the capped reply: (status, body, connection reusable)."""
-        conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
         conn.sock.sendall(self._request_bytes(conn.host, conn.port, path))
         reply = read_reply(conn.sock, self.max_message_bytes, url)
         conn.answered = True
+        conn.used = time.monotonic()
         return reply
 
     def _translate(self, e: Exception, url: str) -> Exception:
@@ -314,6 +319,7 @@ class _Connection:
         self.host, self.port, self.sock = host, port, sock
         self.resumed = False
         self.answered = False  # a reply was read (a TLS 1.3 ticket arrives with it)
+        self.used = 0.0  # time.monotonic() of its last reply
         self._tls: TlsSessions | None = None
 
     def wrap(self, tls: TlsSessions) -> None:
@@ -333,6 +339,12 @@ class _Connection:
             if session is not None:
                 self._tls.remember(self.host, self.port, session)
                 self.resumed = True  # one ticket per connection is enough
+
+    def fresh(self) -> bool:
+        """Answered within ``FRESH_S``: no peer closes a connection idle for so little (the
+        select of ``usable`` is skipped). A peer that closed it anyway (a restart) costs
+        the fetch one retry on a new connection, as a close racing the request does."""
+        return time.monotonic() - self.used < FRESH_S
 
     def usable(self) -> bool:
         """Still open: an idle connection the peer closed reads as ready (EOF)."""
