@@ -218,24 +218,33 @@ def test_deadline_bounds_a_known_peers_resumed_reconnect(certs, made):
         assert client.known_peers() == []  # a peer that does not answer is not kept warm
 
 
-def test_a_kept_connection_the_peer_closed_just_after_answering_is_replaced_once(made):
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_kept_connection_the_peer_closed_just_after_answering_is_replaced_once(
+        made, certs, scheme):
     """A connection that answered a moment ago is reused without a look (no select); when
     the peer closed it all the same (one request per connection, no ``connection: close``
-    said), the fetch retries once on a new connection and succeeds."""
+    said; over TLS without a close_notify), the fetch retries once on a new connection and
+    succeeds."""
     body = encode_envelope(compat(), [rank_meta(0)])
+    ctx = _tls_server_context(certs) if scheme == "https" else None
     connections = []
 
     def one_answer_then_close(conn: socket.socket) -> None:
         connections.append(conn)
-        read_request(conn)
-        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
-        conn.shutdown(socket.SHUT_RDWR)
+        sock = conn if ctx is None else ctx.wrap_socket(conn, server_side=True)
+        read_request(sock)
+        sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # no close_notify on TLS
 
+    tls = TLSConfig(ca_certs=str(certs / "ca.pem")) if scheme == "https" else None
     with RawServer(one_answer_then_close) as srv:
-        client = _client(made, None)
-        for _ in range(3):
+        client = _client(made, tls)
+        for i in range(4):
+            if i == 3:  # and once shut under the client itself: the request cannot be sent
+                for sock in client.idle_sockets(HOST, srv.port):
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
             assert client.fetch(HOST, srv.port, 0) == [rank_meta(0)]
-        assert len(connections) == 3
+        assert len(connections) == 4
 
 
 def test_keep_warm_must_be_positive():

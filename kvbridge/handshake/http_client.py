@@ -210,11 +210,13 @@ class HttpHandshakeClient(HandshakeClient):
                 try:
                     status, body, keep = self._exchange(conn, path, url, deadline)
                     break
-                except (ClosedBeforeAnswer, ConnectionResetError, BrokenPipeError):
+                except (ClosedBeforeAnswer, ConnectionResetError, BrokenPipeError,
+                        ssl.SSLEOFError, ssl.SSLZeroReturnError):
                     conn.close()
                     if not reused or time.monotonic() >= deadline:
                         raise
-                    # The peer closed an idle keep-alive connection: once more, on a new one.
+                    # The peer closed an idle keep-alive connection (over TLS, maybe without
+                    # a close_notify): once more, on a new one.
                     conn, reused = None, False
         except (OSError, ValueError, WireFormatError) as e:
             for c in current:
