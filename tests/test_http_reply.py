@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbridge.errors import WireFormatError
 from kvbridge.handshake.http_client import HttpHandshakeClient
@@ -137,3 +139,39 @@ def test_a_token_that_would_inject_a_header_is_never_sent(token: str) -> None:
             client._request_bytes("127.0.0.1", 1, "/v1/kv/handshake")
     finally:
         client.close()
+
+
+# --- fuzz: whatever a peer sends, a reply within bounds or a WireFormatError -----------
+
+VALID = (b"HTTP/1.1 200 OK\r\ncontent-type: application/vnd.msgpack\r\ncontent-length: 5\r\n"
+         b"\r\nhello")
+CHUNKED = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nhel\r\n2\r\nlo\r\n0\r\n\r\n"
+
+
+@st.composite
+def mutated(draw: st.DrawFn) -> bytes:
+    data = bytearray(draw(st.sampled_from([VALID, CHUNKED, OK])))
+    for _ in range(draw(st.integers(1, 4))):
+        at = draw(st.integers(0, len(data)))
+        kind = draw(st.sampled_from(["flip", "cut", "insert", "repeat"]))
+        if kind == "flip" and at < len(data):
+            data[at] = draw(st.integers(0, 255))
+        elif kind == "cut":
+            del data[at:at + draw(st.integers(1, 8))]
+        elif kind == "insert":
+            data[at:at] = draw(st.binary(min_size=1, max_size=8))
+        else:
+            data[at:at] = data[max(0, at - 8):at] * draw(st.integers(1, 50))
+    return bytes(data)
+
+
+@settings(max_examples=500, deadline=None, derandomize=True)
+@given(st.one_of(mutated(), st.binary(max_size=300)))
+def test_fuzzed_replies_are_read_within_bounds_or_refused(reply: bytes) -> None:
+    with peer(reply) as sock:
+        try:
+            status, body, _ = read_reply(sock, 100, URL)
+        except (WireFormatError, ClosedBeforeAnswer):
+            return
+    assert 200 <= status <= 999
+    assert len(body) <= 100
