@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.errors import WireFormatError
+from kvbridge.errors import HandshakeError, WireFormatError
 from kvbridge.handshake.http_client import HttpHandshakeClient
 from kvbridge.handshake.http_reply import (
     MAX_HEAD_BYTES,
@@ -133,12 +133,26 @@ def test_a_close_before_any_byte_is_its_own_error() -> None:
 
 @pytest.mark.parametrize("token", ["a\r\nx-injected: 1", "nul\x00", "tab\x7f"])
 def test_a_token_that_would_inject_a_header_is_never_sent(token: str) -> None:
-    client = HttpHandshakeClient(1.0, None, token)
+    listener = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+
+    def record() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while chunk := conn.recv(4096):
+                received.append(chunk)
+
+    reader = threading.Thread(target=record)
+    reader.start()
+    client = HttpHandshakeClient(5.0, None, token)
     try:
-        with pytest.raises(ValueError, match="HTTP header"):
-            client._request_bytes("127.0.0.1", 1, "/v1/kv/handshake")
+        with pytest.raises(HandshakeError, match="HTTP header"):
+            client.fetch_body("127.0.0.1", listener.getsockname()[1], 0)
     finally:
         client.close()
+        reader.join(5)
+        listener.close()
+    assert received == []  # the connection was made, and nothing written on it
 
 
 # --- fuzz: whatever a peer sends, a reply within bounds or a WireFormatError -----------

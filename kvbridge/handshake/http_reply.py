@@ -35,8 +35,9 @@ class ClosedBeforeAnswer(ConnectionError):
 class _Reply:
     """llhttp's callbacks: what the reply said (interim replies skipped)."""
 
-    def __init__(self, parser_of: list[httptools.HttpResponseParser], limit: int, url: str):
-        self._parser_of = parser_of  # the parser, once made (it needs this object first)
+    parser: httptools.HttpResponseParser  # set once made (it is made with this object)
+
+    def __init__(self, limit: int, url: str):
         self.limit, self.url = limit, url
         self.interim = 0
         self.done = False
@@ -82,10 +83,9 @@ class _Reply:
     def on_message_complete(self) -> None:
         if self.done:
             return
-        parser = self._parser_of[0]
-        status = parser.get_status_code()
+        status = self.parser.get_status_code()
         if status >= 200:
-            self.done, self.status, self.keep = True, status, parser.should_keep_alive()
+            self.done, self.status, self.keep = True, status, self.parser.should_keep_alive()
             return
         self.interim += 1
         if self.interim > MAX_INTERIM:
@@ -97,15 +97,13 @@ class _Reply:
 def read_reply(sock: socket.socket, limit: int, url: str) -> tuple[int, bytes, bool]:
     """Read one reply to a request just sent on ``sock``: (status, body, whether the
     connection can carry another request). ``limit``: the largest body accepted."""
-    parser_of: list[httptools.HttpResponseParser] = []
-    reply = _Reply(parser_of, limit, url)
-    parser = httptools.HttpResponseParser(reply)
-    parser_of.append(parser)
+    reply = _Reply(limit, url)
+    parser = reply.parser = httptools.HttpResponseParser(reply)
     fed = 0
     while not reply.done:
         data = sock.recv(RECV_BYTES)  # sized to what came (a zeroed buffer costs more)
         if not data:
-            return _at_eof(reply, parser, fed, url)
+            return _at_eof(reply, fed, url)
         fed += len(data)
         try:
             parser.feed_data(data)
@@ -123,8 +121,7 @@ def read_reply(sock: socket.socket, limit: int, url: str) -> tuple[int, bytes, b
     return reply.status, b"".join(reply.chunks), reply.keep and not reply.extra
 
 
-def _at_eof(reply: _Reply, parser: httptools.HttpResponseParser, fed: int,
-            url: str) -> tuple[int, bytes, bool]:
+def _at_eof(reply: _Reply, fed: int, url: str) -> tuple[int, bytes, bool]:
     """The peer closed the connection before the reply was complete."""
     if fed == 0:
         raise ClosedBeforeAnswer("the peer closed the connection before answering")
@@ -134,4 +131,4 @@ def _at_eof(reply: _Reply, parser: httptools.HttpResponseParser, fed: int,
         raise WireFormatError(f"{url}: reply body ended {reply.length - reply.size} bytes short")
     if reply.chunked:
         raise WireFormatError(f"{url}: the connection closed in the reply's chunked body")
-    return parser.get_status_code(), b"".join(reply.chunks), False  # a body read to the close
+    return reply.parser.get_status_code(), b"".join(reply.chunks), False  # read to the close

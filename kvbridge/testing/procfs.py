@@ -19,10 +19,10 @@ def status_field(task: str, name: str) -> str:
 
 
 def _vm_rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0  # a zombie has no VmRSS line
+    try:
+        return int(status_field(str(pid), "VmRSS"))
+    except KeyError:
+        return 0  # a zombie has no VmRSS line
 
 
 def instance_rss_mib(pid: int) -> float:
