@@ -6,7 +6,9 @@ so any process with NIXL access to it can release a hold by naming a request id 
 then READs blocks given to another prompt). With the plug-in:
 
 * the prefill's scheduler gives every hold a fresh 128-bit key, in ``kv_transfer_params``
-  (``kvbridge_hold_key``) and, through the connector metadata, to its workers;
+  (``kvbridge_hold_key``) and, through the connector metadata, to its workers. The workers
+  get it with the step that computes the request, before its id leaves the prefill: a key
+  sent only once the request is held left a step in which a note naming it freed it;
 * a decode adds the key of the request to every note it sends for it
   (``"<request id>:<consumers>|kvbridge-key=<key>"``); a prefill without keys (a stock
   vLLM) never gives one, so it only ever gets vLLM's own notes;

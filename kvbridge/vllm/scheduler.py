@@ -54,31 +54,40 @@ class KVBridgeScheduler(NixlPullConnectorScheduler):
         self._kvbridge_tags = (TagWriter(vllm_config.cache_config.block_size)
                                if validating(settings, kv_cache_config) else None)
         self._kvbridge_prompts: dict[str, list[int]] = {}
-        # Hold keys (kvbridge.vllm.holds): given out since the last step (prefill), and
-        # got with the params of requests to read (decode).
+        # Hold keys (kvbridge.vllm.holds): a prefill's request has its key from the step
+        # that computes it (the workers know it before anyone can name the request in a
+        # note); it is given out with the params if the request is held. A decode gets
+        # the keys of requests to read with their params.
         self._kvbridge_keys_on = settings.hold_keys == "require"
-        self._kvbridge_new_keys: dict[str, str] = {}
+        self._kvbridge_keys: dict[str, str] = {}  # prefill: request id -> its hold's key
+        self._kvbridge_new_keys: dict[str, str] = {}  # not yet sent to the workers
         self._kvbridge_recv_keys: dict[str, str] = {}
 
     def update_state_after_alloc(self, request: Request, blocks: Any,
                                  num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if request.request_id not in self._reqs_need_recv:
+        rid = request.request_id
+        if self._kvbridge_keys_on and (request.kv_transfer_params or {}).get("do_remote_decode"):
+            self._kvbridge_new_keys[rid] = self._kvbridge_keys.setdefault(rid, new_key())
+        if rid not in self._reqs_need_recv:
             return
         # vLLM queued a READ for it (it clears do_remote_prefill itself): keep its prompt
         # (the expected tags) and its hold's key (the READ-done note's).
         if self._kvbridge_tags is not None and request.prompt_token_ids is not None:
-            self._kvbridge_prompts[request.request_id] = list(request.prompt_token_ids)
+            self._kvbridge_prompts[rid] = list(request.prompt_token_ids)
         key = (request.kv_transfer_params or {}).get(KEY_PARAM)
         if isinstance(key, str) and key:
-            self._kvbridge_recv_keys[request.request_id] = key
+            self._kvbridge_recv_keys[rid] = key
 
     def request_finished(self, request: Request, block_ids: Any
                          ) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's; a held request's params carry a fresh key for its hold."""
+        """vLLM's; a held request's params carry its hold's key."""
         delay, params = super().request_finished(request, block_ids)
+        key = self._kvbridge_keys.pop(request.request_id, None)
         if delay and params is not None and self._kvbridge_keys_on:
-            params[KEY_PARAM] = self._kvbridge_new_keys[request.request_id] = new_key()
+            if key is None:  # held without an allocation seen here: keyed now (late)
+                key = self._kvbridge_new_keys[request.request_id] = new_key()
+            params[KEY_PARAM] = key
         return delay, params
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:

@@ -101,7 +101,10 @@ class KVBridgeWorker(NixlPullConnectorWorker):
         so ``start_load_kv`` would be too late)."""
         self._kvbridge_apply_finished_sets()
         if self.kvbridge_keys is not None:  # before this step's notes are read
-            self.kvbridge_keys.hold_keys.update(getattr(metadata, "kvbridge_hold_keys", {}))
+            held = self.kvbridge_keys.hold_keys
+            held.update(getattr(metadata, "kvbridge_hold_keys", {}))
+            for req_id in getattr(metadata, "reqs_not_processed", ()):  # aborted: never held
+                held.pop(req_id, None)
         tags: StepTags | None = getattr(metadata, "kvbridge_tags", None)
         if self.kvbridge_validator is not None and tags is not None:
             self.kvbridge_validator.clear(tags.clear)

@@ -137,21 +137,38 @@ def _forger(p: VllmServer) -> tuple[Any, str]:
     return agent, agent.add_remote_agent(meta.agent_metadata)
 
 
+def _wired(p: VllmServer, forger: Any, prefill_agent: str) -> None:
+    """Wire the forger's NIXL connection to the prefill before a lease is timed: the first
+    note on a new connection waits for its wire-up, which a loaded machine can stretch
+    towards a lease. A note naming no request, sent while a hold keeps vLLM's engine
+    stepping (it reads notes only then), which vLLM counts as a note after expiry."""
+    after = p.metrics().get("vllm:nixl_num_notifications_after_expiry_total", 0.0)
+    prefill(p.url, A, REQUEST_TIMEOUT)  # held for the lease: the engine steps meanwhile
+    forger.send_notif(prefill_agent, notif_msg=b"kvbridge-test-wire-up:1")
+    wait_until(lambda: p.metrics().get("vllm:nixl_num_notifications_after_expiry_total", 0.0)
+               > after, 60, "the forger's first note reaches the prefill")
+
+
 def test_a_forged_read_done_note_without_the_holds_key_releases_nothing(servers):
     """vLLM's note format, naming a held request, from an agent without the key: the hold
     stays until its lease runs out (stock vLLM frees the blocks at once)."""
     p, _ = servers
     forger, prefill_agent = _forger(p)
+    _wired(p, forger, prefill_agent)
     ignored = p.metrics().get("vllm:kvbridge_notes_ignored_total", 0.0)
     params = prefill(p.url, A, REQUEST_TIMEOUT)
     rid = params["remote_request_id"]
     forger.send_notif(prefill_agent, notif_msg=f"{rid}:1".encode())
+
+    def seen() -> str:  # what the prefill said of the request, should a wait fail
+        return " | ".join(line for line in p.log_text().splitlines() if rid in line)
+
+    wait_until(lambda: p.metrics().get("vllm:kvbridge_notes_ignored_total", 0.0)
+               == ignored + 1, 60, "the prefill counts the note it ignored", message=seen)
     # Held until the lease: vLLM logs an expiry only for blocks still held then (with
     # hold_keys off, the note frees them at once and this never comes).
     wait_until(lambda: f"Releasing expired KV blocks for request {rid}" in p.log_text(),
-               60, "the hold outlives the forged note and expires with its lease")
-    wait_until(lambda: p.metrics().get("vllm:kvbridge_notes_ignored_total", 0.0)
-               == ignored + 1, 60, "the prefill counts the note it ignored")
+               60, "the hold outlives the forged note and expires with its lease", message=seen)
     assert "released nothing" in p.log_text()
     assert params.get("kvbridge_hold_key")  # the capability, for whoever decodes
     del forger
