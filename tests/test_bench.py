@@ -47,8 +47,7 @@ def _goals(data: dict) -> None:
 
 def test_every_benchmark_is_registered():
     assert set(BENCHMARKS) == {
-        "handshake", "sidechannel", "transfer", "serve", "fleet", "hostile", "vllm", "clients",
-        "wakeup"}
+        "handshake", "sidechannel", "transfer", "serve", "fleet", "hostile", "vllm", "clients"}
 
 
 def test_handshake(tmp_path):
@@ -228,12 +227,3 @@ def test_clients(tmp_path):
             assert s[kind]["p50"] <= s[kind]["p99"]
         assert s["first_byte"]["p50"] <= s["completion"]["p50"]
 
-
-def test_wakeup(tmp_path):
-    d = _run("wakeup", tmp_path)
-    assert set(d["warm_fetch_us"]) == {f"{m}/{c}/{s}" for m in ("http", "https")
-                                        for c in ("idle", "busy") for s in ("spin", "no spin")}
-    for s in d["warm_fetch_us"].values():
-        _positive(s["p50"], s["p90"], s["p99"])
-        assert s["p50"] <= s["p90"] <= s["p99"] and s["n"] == d["config"]["fetches"]
-    assert d["config"]["spin_s"] > 0

@@ -14,5 +14,4 @@ BENCHMARKS: dict[str, str] = {
     "hostile": "kvbridge.bench.hostile",
     "vllm": "kvbridge.bench.vllm",
     "clients": "kvbridge.bench.clients",
-    "wakeup": "kvbridge.bench.wakeup",
 }

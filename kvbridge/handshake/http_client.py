@@ -42,7 +42,6 @@ from kvbridge.handshake.base import HandshakeClient, Reply
 from kvbridge.handshake.deadline_watchdog import WATCHDOG
 from kvbridge.handshake.http_reply import ClosedBeforeAnswer, read_reply
 from kvbridge.handshake.http_routes import MSGPACK, handshake_path
-from kvbridge.handshake.nonblocking import send_all
 from kvbridge.handshake.tls_sessions import TlsSessions, tls_sessions
 
 __all__ = ["MAX_IDLE_PER_PEER", "MAX_WARM_PEERS", "HttpHandshakeClient"]
@@ -287,17 +286,16 @@ class HttpHandshakeClient(HandshakeClient):
                     for idle in self._idle.get((host, port), []):
                         idle.remember_session()
             conn.wrap(self._tls)
-        # Non-blocking from here on: a reply is waited for spinning, then in select, each
-        # wait bounded by the timeout as a second line; the fetch's deadline is the
-        # watchdog's (kvbridge.handshake.nonblocking).
-        conn.sock.setblocking(False)
+        # Set once, not per request (each settimeout is a syscall): a bound on every
+        # socket operation as a second line; the fetch's deadline is the watchdog's.
+        conn.sock.settimeout(self.timeout)
         return conn
 
     def _exchange(self, conn: _Connection, path: str, url: str,
                   deadline: float) -> tuple[int, bytes, bool]:
         """Send the GET, read the capped reply: (status, body, connection reusable)."""
-        send_all(conn.sock, self._request_bytes(conn.host, conn.port, path), self.timeout)
-        reply = read_reply(conn.sock, self.max_message_bytes, url, self.timeout)
+        conn.sock.sendall(self._request_bytes(conn.host, conn.port, path))
+        reply = read_reply(conn.sock, self.max_message_bytes, url)
         conn.answered = True
         conn.used = time.monotonic()
         return reply

@@ -20,12 +20,12 @@ import socket
 import httptools
 
 from kvbridge.errors import WireFormatError
-from kvbridge.handshake.nonblocking import recv_some
 
 __all__ = ["MAX_HEAD_BYTES", "MAX_INTERIM", "ClosedBeforeAnswer", "read_reply"]
 
 MAX_HEAD_BYTES = 16384  # the status line and headers of a reply (ours are under 200 bytes)
 MAX_INTERIM = 4  # 1xx replies skipped before the real one
+RECV_BYTES = 65536
 
 
 class ClosedBeforeAnswer(ConnectionError):
@@ -94,17 +94,14 @@ class _Reply:
         self._new_message()
 
 
-def read_reply(sock: socket.socket, limit: int, url: str,
-               wait: float | None = None) -> tuple[int, bytes, bool]:
+def read_reply(sock: socket.socket, limit: int, url: str) -> tuple[int, bytes, bool]:
     """Read one reply to a request just sent on ``sock``: (status, body, whether the
-    connection can carry another request). ``limit``: the largest body accepted.
-    ``wait``: on a non-blocking socket, the longest wait for each read (see
-    kvbridge.handshake.nonblocking)."""
+    connection can carry another request). ``limit``: the largest body accepted."""
     reply = _Reply(limit, url)
     parser = reply.parser = httptools.HttpResponseParser(reply)
     fed = 0
     while not reply.done:
-        data = recv_some(sock, wait)  # sized to what came (a zeroed buffer costs more)
+        data = sock.recv(RECV_BYTES)  # sized to what came (a zeroed buffer costs more)
         if not data:
             return _at_eof(reply, fed, url)
         fed += len(data)
