@@ -1,6 +1,7 @@
 """Binding listening ports (``listen_socket``: one helper for the side-channel servers): a
 port in use is a configuration error that names its setting; picking a free port for a
-child process to bind later; room in the fd table for a server's connections."""
+child process to bind later; room in the fd table for a server's connections; a host as a
+URL or a ``Host`` header writes it (``url_host``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ import socket
 
 from kvbridge.errors import ConfigError
 
+
+def url_host(host: str) -> str:
+    """``host`` as a URL or a ``Host`` header writes it: an IPv6 address in brackets
+    (given with or without them)."""
+    return f"[{host.strip('[]')}]" if ":" in host else host
 
 def bind_error(host: str, port: int, setting: str, err: BaseException) -> ConfigError:
     """The one-line ``ConfigError`` for a failed bind of ``host:port`` (``setting`` names

@@ -226,4 +226,3 @@ def test_clients(tmp_path):
             _positive(s[kind]["p50"], s[kind]["p99"])
             assert s[kind]["p50"] <= s[kind]["p99"]
         assert s["first_byte"]["p50"] <= s["completion"]["p50"]
-

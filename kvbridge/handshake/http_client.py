@@ -43,6 +43,7 @@ from kvbridge.handshake.deadline_watchdog import WATCHDOG
 from kvbridge.handshake.http_reply import ClosedBeforeAnswer, read_reply
 from kvbridge.handshake.http_routes import MSGPACK, handshake_path
 from kvbridge.handshake.tls_sessions import TlsSessions, tls_sessions
+from kvbridge.net import url_host
 
 __all__ = ["MAX_IDLE_PER_PEER", "MAX_WARM_PEERS", "HttpHandshakeClient"]
 
@@ -107,8 +108,8 @@ class HttpHandshakeClient(HandshakeClient):
         key = (host, port, path, token)
         request = self._requests.get(key)
         if request is None:
-            h = f"[{host.strip('[]')}]" if ":" in host else host
-            head = f"GET {path} HTTP/1.1\r\nHost: {h}:{port}\r\nAccept: {MSGPACK}\r\n"
+            head = (f"GET {path} HTTP/1.1\r\nHost: {url_host(host)}:{port}\r\n"
+                    f"Accept: {MSGPACK}\r\n")
             if token:
                 if not _HEADER_SAFE.fullmatch(token):  # no header injection, as http.client
                     raise ValueError("the token has a character an HTTP header cannot carry")
@@ -190,9 +191,8 @@ class HttpHandshakeClient(HandshakeClient):
 
     def _request(self, host: str, port: int, tp_rank: int | None, deadline: float,
                  path: str | None = None) -> Reply:
-        h = f"[{host}]" if ":" in host else host
         path = path or handshake_path(tp_rank)
-        url = f"{self.scheme}://{h}:{port}{path}"
+        url = f"{self.scheme}://{url_host(host)}:{port}{path}"
         if deadline - time.monotonic() <= 0:
             raise HandshakeTimeout(f"http handshake with {url}: no time left")
         # One watchdog over the whole request: at the deadline it shuts the connection

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvbridge.metadata import compat_hash
+from kvbridge.net import url_host
 from kvbridge.registry.etcd import EtcdEndpoint, EtcdRegistry
 from kvbridge.registry.record import InstanceRecord
 from kvbridge.registry.registrar import Registrar
@@ -16,8 +17,7 @@ if TYPE_CHECKING:
 def api_url(scheme: str, host: str, port: int, advertised: str) -> str:
     """The URL peers reach the API at: the bind host, or the advertised one for a wildcard."""
     host = advertised if is_wildcard(host) else host
-    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    return f"{scheme}://{host}:{port}"
+    return f"{scheme}://{url_host(host)}:{port}"
 
 
 def record_of(inst: Instance, url: str) -> InstanceRecord:
