@@ -20,8 +20,9 @@ The plug-in closes that as kvbridge's own engine does (optimistic read, then val
 A peer without tags (a stock vLLM) is read as before, logged once and counted
 ``unvalidated``; ``read_validation: require`` refuses such READs instead (a load failure),
 ``off`` turns validation off (tags are neither kept nor read).
-Only vLLM's attention KV with one cache group and the same block size on both sides is
-validated; anything else is counted ``unvalidated``.
+Only vLLM's attention KV with one cache group is validated. The two sides' block sizes may
+differ: the expected tags are computed with the prefill's block size over the prefill's
+block ids, which is what its tags are of.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ MODES = ("auto", "require", "off")
 # vllm:kvbridge_kv_reads{result=...}: what a decode's READ turned out to be.
 RESULTS = ("validated", "stale", "tag_read_failed", "unvalidated")
 MAX_SOURCES = 8  # prefill ranks one decode rank reads from (heterogeneous TP)
+# Where peers' tags land: columns per source row, taken by a READ for its remote blocks.
+# A prefill with smaller blocks than the decode's has more blocks per prompt: room for a
+# block size ratio of 4 with every local block in flight at once.
+COLUMNS_PER_BLOCK = 4
 SPIN_S = 0.002  # how long a tag READ is waited for before it is left to the next step
 
 
@@ -82,12 +87,15 @@ class TagWriter:
             self._written(seq, new.num_computed_tokens,
                           so.num_scheduled_tokens.get(new.req_id, 0), out)
         cached = so.scheduled_cached_reqs
+        # vLLM 0.32-0.33 list resumed requests here; 0.34 sends them back whole as new
+        # requests (above) and has no such field.
+        resumed = getattr(cached, "resumed_req_ids", ())
         for i, req_id in enumerate(cached.req_ids):
             seq = self._seqs.get(req_id)
             if seq is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids and new_ids is not None:
+            if req_id in resumed and new_ids is not None:
                 seq.blocks = list(new_ids[0])  # resumed after preemption: the whole list
             elif new_ids is not None:
                 seq.blocks.extend(new_ids[0])
@@ -132,6 +140,7 @@ class _Peer:
     agent: str
     dlist: Any  # the peer's tag array, one 8-byte descriptor per block
     blocks: int
+    block_size: int  # the peer's: its tags are of its blocks
 
 
 @dataclass
@@ -146,8 +155,7 @@ class _Expect:
 @dataclass
 class _Pending:
     handles: list[Any]
-    slots: np.ndarray  # (source index, local block) descriptor ids per source
-    local: list[int]
+    columns: np.ndarray  # the scratch columns the peer's tags land in (one per block)
     sources: int
     expected: list[int]
 
@@ -163,8 +171,10 @@ class ReadValidator:
         self._record = record
         self._record_seconds = record_seconds  # each tag READ's own time (NIXL telemetry)
         self.tags = np.zeros(num_blocks, dtype=np.uint64)
-        # Where peers' tags land: one row per source rank, one slot per local block.
-        self.scratch = np.zeros((MAX_SOURCES, num_blocks), dtype=np.uint64)
+        # Where peers' tags land: one row per source rank; a READ takes free columns.
+        self.columns = COLUMNS_PER_BLOCK * num_blocks
+        self.scratch = np.zeros((MAX_SOURCES, self.columns), dtype=np.uint64)
+        self._free_columns = list(range(self.columns - 1, -1, -1))
         self.registered: list[Any] = []
         self._local: Any = None
         self._peers: dict[tuple[str, int], _Peer] = {}
@@ -212,12 +222,13 @@ class ReadValidator:
         if old is not None:
             self._release_dlist(old.dlist)
         info = _tag_info.decode(agent_metadata_bytes)
-        if not info.kvbridge_tags_addr or info.kvbridge_tags_block_size != self.block_size:
-            return
+        if not info.kvbridge_tags_addr or info.kvbridge_tags_block_size <= 0:
+            return  # no tags: a stock vLLM
         descs = np.array([(info.kvbridge_tags_addr + 8 * i, 8, 0)
                           for i in range(info.kvbridge_tags_blocks)], dtype=np.uint64)
         self._peers[(engine_id, rank)] = _Peer(
-            agent, self.agent.prep_xfer_dlist(agent, descs, "DRAM"), info.kvbridge_tags_blocks)
+            agent, self.agent.prep_xfer_dlist(agent, descs, "DRAM"), info.kvbridge_tags_blocks,
+            info.kvbridge_tags_block_size)
 
     # -- a decode's READs --------------------------------------------------------------
 
@@ -275,25 +286,38 @@ class ReadValidator:
                             "; refused (read_validation: require)"
                             if self.mode == "require" else "")
             return "unvalidated"
-        k = min(len(exp.remote), len(exp.local))
-        first = len(exp.remote) - k
+        sizes = {p.block_size for p in peers if p is not None}
+        if len(sizes) != 1:  # ranks of one engine disagree: nothing to compute tags with
+            log.warning("kvbridge: engine %s's ranks give block sizes %s: the READ of "
+                        "request %s cannot be validated", exp.engine_id, sorted(sizes), req_id)
+            return "tag_read_failed"
+        bs = sizes.pop()
+        if bs == self.block_size:
+            # The READ's blocks: vLLM reads the last ones when the decode has the prefix.
+            k = min(len(exp.remote), len(exp.local))
+            first = len(exp.remote) - k
+        else:  # every block of the prompt, in the prefill's blocks
+            first = 0
         remote = exp.remote[first:]
-        local = exp.local[len(exp.local) - k:]
-        chain = TagChain(self.block_size)
-        expected = [chain.tag(exp.tokens, j, min((j + 1) * self.block_size, exp.num_tokens))
+        chain = TagChain(bs)
+        expected = [chain.tag(exp.tokens, j, min((j + 1) * bs, exp.num_tokens))
                     for j in range(first, len(exp.remote))]
-        slots = np.asarray(local, dtype=np.int64)
-        if k == 0:
+        if not remote:
             return "validated"
-        if (slots >= self.num_blocks).any() or any(b >= p.blocks for p in peers if p
-                                                     for b in remote):
+        if any(b < 0 or b >= p.blocks for p in peers if p for b in remote):
             return "stale"  # a block id outside the cache is no block of this prompt
+        if len(remote) > len(self._free_columns):
+            log.warning("kvbridge: no room to READ the %d tags of request %s (%d free of "
+                        "%d): not validated", len(remote), req_id, len(self._free_columns),
+                        self.columns)
+            return "tag_read_failed"
+        columns = np.asarray([self._free_columns.pop() for _ in remote], dtype=np.int64)
         handles: list[Any] = []
         try:
             for s, peer in enumerate(peers):
                 assert peer is not None
                 h = self.agent.make_prepped_xfer(
-                    "READ", self._local, s * self.num_blocks + slots, peer.dlist,
+                    "READ", self._local, s * self.columns + columns, peer.dlist,
                     np.asarray(remote, dtype=np.int64))
                 handles.append(h)
                 if self.agent.transfer(h) == "ERR":
@@ -302,8 +326,9 @@ class ReadValidator:
             log.warning("kvbridge: tag READ of request %s: %s: %s", req_id,
                         type(e).__name__, e)
             self._release(handles)
+            self._free_columns.extend(columns.tolist())
             return "tag_read_failed"
-        self._pending[req_id] = _Pending(handles, slots, local, len(peers), expected)
+        self._pending[req_id] = _Pending(handles, columns, len(peers), expected)
         if exp.engine_id not in self._said:
             self._said.add(exp.engine_id)
             log.info("kvbridge: KV READs from engine %s are validated (block tags)",
@@ -335,11 +360,12 @@ class ReadValidator:
                 if res is not None:
                     self._record_seconds(res.xferDuration / 1e6)
         self._release(p.handles)
+        self._free_columns.extend(p.columns.tolist())
         if any(s != "DONE" for s in states):
             return "tag_read_failed"
         want = np.asarray(p.expected, dtype=np.uint64)
         for s in range(p.sources):
-            if not np.array_equal(self.scratch[s, p.slots], want):
+            if not np.array_equal(self.scratch[s, p.columns], want):
                 return "stale"
         return "validated"
 
