@@ -18,12 +18,18 @@ then READs blocks given to another prompt). With the plug-in:
 
 Both sides work through ``KeyedAgent``, a thin wrapper of vLLM's NIXL agent. A stock vLLM
 decode's notes carry no key: its holds last the lease, unless ``hold_keys: off``.
+
+Whatever ``hold_keys`` says, a prefill passes vLLM only notes it can parse: vLLM unpacks
+``msg.rsplit(":", 1)`` and ``int(...)`` inside the engine step, so one malformed note from
+anyone with NIXL access would kill the engine. Anything else is dropped and counted
+(``why="malformed"``).
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import re
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +39,8 @@ log = logging.getLogger("vllm.kvbridge")
 KEY_PARAM = "kvbridge_hold_key"  # in kv_transfer_params
 SEP = "|kvbridge-key="
 HEARTBEAT = "HB:"
+# What vLLM's _get_new_notifs parses: "<request id>:<consumers>" (a positive count).
+_READ_DONE = re.compile(r"(?s).+:[1-9][0-9]{0,8}")
 
 
 def new_key() -> str:
@@ -42,12 +50,15 @@ def new_key() -> str:
 class KeyedAgent:
     """vLLM's NIXL agent with hold keys on READ-done notes (everything else is the agent's)."""
 
-    def __init__(self, agent: Any, on_ignored: Callable[[str], None]):
+    def __init__(self, agent: Any, on_ignored: Callable[[str], None], keys: bool = True):
+        """``keys``: hold keys are given and checked (``hold_keys: require``); without,
+        only the parse check applies."""
         self._agent = agent
         self._on_ignored = on_ignored
+        self.keys = keys
         self.send_keys: dict[str, str] = {}  # decode: remote request id -> its hold's key
         self.hold_keys: dict[str, str] = {}  # prefill: request id -> the key it gave out
-        self._warned: set[str] = set()
+        self._warned: set[tuple[str, str]] = set()  # (sender, why): logged once
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._agent, name)
@@ -85,22 +96,33 @@ class KeyedAgent:
                 out[sender] = kept
         return out
 
-    def _admit(self, sender: str, msg: bytes) -> bytes | None:
-        text = msg.decode("utf-8", "replace")
+    def _admit(self, sender: str, msg: Any) -> bytes | None:
+        try:
+            text = bytes(msg).decode("utf-8")
+        except (UnicodeDecodeError, TypeError):
+            return self._drop(sender, "malformed")
         if text.startswith(HEARTBEAT):
-            return msg
-        base, _, key = text.partition(SEP)
-        held = self.hold_keys.get(base.rsplit(":", 1)[0])
+            return text.encode()  # vLLM only splits it on commas
+        base, sep, key = text.partition(SEP)
+        if not _READ_DONE.fullmatch(base) or (sep and not key):
+            return self._drop(sender, "malformed")
+        held = self.hold_keys.get(base.rsplit(":", 1)[0]) if self.keys else None
         if held is None:
             return base.encode()  # no key given for it: vLLM's own checks follow
         if key and hmac.compare_digest(key, held):
             return base.encode()
-        why = "bad_key" if key else "no_key"
+        return self._drop(sender, "bad_key" if key else "no_key")
+
+    def _drop(self, sender: str, why: str) -> None:
         self._on_ignored(why)
-        if sender not in self._warned:
-            self._warned.add(sender)
-            log.warning("kvbridge: a note from NIXL agent %s without its hold's key (%s) "
-                        "released nothing%s", sender, why,
-                        "; a stock vLLM decode's holds last the lease (kv_lease_duration) "
-                        "unless hold_keys is off" if why == "no_key" else "")
+        if (sender, why) not in self._warned:
+            self._warned.add((sender, why))
+            if why == "malformed":
+                log.warning("kvbridge: a malformed NIXL note from agent %s was dropped (vLLM "
+                            "takes '<request id>:<consumers>' or 'HB:<ids>')", sender)
+            else:
+                log.warning("kvbridge: a note from NIXL agent %s without its hold's key (%s) "
+                            "released nothing%s", sender, why,
+                            "; a stock vLLM decode's holds last the lease (kv_lease_duration) "
+                            "unless hold_keys is off" if why == "no_key" else "")
         return None

@@ -69,7 +69,8 @@ class KVBridgePromMetrics(NixlPromMetrics):
         self.kvbridge_notes_ignored = self._counter_cls(
             name="vllm:kvbridge_notes_ignored",
             documentation="READ-done notes a prefill did not pass to vLLM because they lack "
-            "the hold's key (kvbridge.vllm.holds): no_key, bad_key.",
+            "the hold's key (kvbridge.vllm.holds): no_key, bad_key; or that vLLM could not "
+            "parse: malformed.",
             labelnames=[*labelnames, "why"])
         self.kvbridge_tag_read_seconds = self._histogram_cls(
             name="vllm:kvbridge_tag_read_seconds",

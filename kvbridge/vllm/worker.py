@@ -58,11 +58,12 @@ class KVBridgeWorker(NixlPullConnectorWorker):
         # vLLM (notes sent with READs, notes received) goes through the wrapper.
         self.kvbridge_keys: KeyedAgent | None = None
         self._kvbridge_remote_ids: dict[str, str] = {}  # local request id -> remote one
-        if settings.hold_keys == "require":
-            stats = self.xfer_stats
-            assert isinstance(stats, KVBridgeStats)
-            self.kvbridge_keys = KeyedAgent(self.nixl_wrapper, stats.record_note_ignored)
-            self.nixl_wrapper = self.kvbridge_keys
+        # Wrapped whatever hold_keys says: it also keeps malformed notes from vLLM's parse.
+        stats = self.xfer_stats
+        assert isinstance(stats, KVBridgeStats)
+        self.kvbridge_keys = KeyedAgent(self.nixl_wrapper, stats.record_note_ignored,
+                                        keys=settings.hold_keys == "require")
+        self.nixl_wrapper = self.kvbridge_keys
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's, with the block tags registered first (vLLM's agent metadata then knows
