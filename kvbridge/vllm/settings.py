@@ -26,15 +26,15 @@ from kvbridge.vllm.registration import (
 
 # The vLLM versions the plug-in is tested with: [low, high). Moving the window: docs/vllm.md
 # ("The next vLLM"); kvbridge/vllm/fingerprints.py holds one entry per minor version.
-TESTED_VLLM = ((0, 32), (0, 34))
-TESTED_RANGE = ">=0.32.0,<0.34"
+TESTED_VLLM = ((0, 32), (0, 35))
+TESTED_RANGE = ">=0.32.0,<0.35"
 
-# kv_connector_extra_config keys vLLM's NixlConnector reads itself (0.32 and 0.33 alike):
-# passed through.
+# kv_connector_extra_config keys vLLM's NixlConnector reads itself: passed through.
+# ucx_backend_params is read from 0.34 on; transfer_mode (pull/push) is checked below.
 VLLM_NIXL_KEYS = frozenset({
     "enforce_handshake_compat", "backends", "kv_lease_duration", "num_threads", "engine_ttl",
     "kv_recompute_threshold", "bidirectional_kv_xfer", "decoder_kv_blocks_ttl",
-    "push_registration_timeout",
+    "push_registration_timeout", "ucx_backend_params", "transfer_mode",
 })
 OUR_KEYS = frozenset(s.name for s in SETTINGS.group("side_channel"))
 PLUGIN_KEYS = frozenset(s.name for s in SETTINGS.group("vllm"))  # the plug-in's own
@@ -81,6 +81,12 @@ def load_settings(extra: Mapping[str, Any] | None, dp_index: int = 0,
     if unknown:
         raise ConfigError(f"kvbridge.vllm: unknown kv_connector_extra_config key(s) {unknown}: "
                           f"use the setting names of docs/configuration.md")
+    mode = extra.get("transfer_mode", "pull")
+    if mode != "pull":
+        # vLLM's factory reads transfer_mode only for the name NixlConnector: under
+        # another name a "push" would silently run pull.
+        raise ConfigError(f"kvbridge.vllm: transfer_mode {mode!r} is not served by "
+                          "KVBridgeConnector, which is pull only (docs/vllm.md §6)")
     flags = {k: v for k, v in extra.items() if k in OUR_KEYS}
     environ = os.environ if environ is None else environ
     try:

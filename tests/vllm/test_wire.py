@@ -148,7 +148,8 @@ def test_the_two_envelopes_are_never_mistaken_for_each_other():
 def test_settings_from_extra_config_then_env_then_vllm_alias(tmp_path: Path):
     env = {"KVBRIDGE_HANDSHAKE_TIMEOUT": "3", "VLLM_NIXL_HANDSHAKE_TIMEOUT": "7",
            "VLLM_NIXL_SIDE_CHANNEL_PORT": "6000", "VLLM_NIXL_SIDE_CHANNEL_HOST": "localhost"}
-    s = load_settings({"handshake_method": "http", "enforce_handshake_compat": True}, 0, env)
+    s = load_settings({"handshake_method": "http", "enforce_handshake_compat": True,
+                       "ucx_backend_params": {}, "transfer_mode": "pull"}, 0, env)
     sc = s.side_channel
     assert (sc.handshake_method, sc.handshake_timeout, sc.side_channel_port,
             sc.side_channel_host) == ("http", 3.0, 6000, "localhost")
@@ -170,6 +171,7 @@ def test_settings_from_extra_config_then_env_then_vllm_alias(tmp_path: Path):
     ({"ssl_certfile": "/x.pem"}, "TLS settings need handshake_method 'http'"),
     ({"handshake_method": "http", "ssl_cert_reqs": "required"}, "client certificates"),
     ({"handshake_method": "http", "token_file": "/nonexistent"}, "cannot read token file"),
+    ({"transfer_mode": "push"}, "transfer_mode 'push' is not served by KVBridgeConnector"),
 ])
 def test_bad_settings_are_one_line(extra, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -182,8 +184,9 @@ def test_vllm_version_outside_the_tested_range_is_refused():
     check_vllm_version("0.32.3+cpu")
     check_vllm_version("0.33.0")
     check_vllm_version("0.33.1+cu130")
-    for v in ("0.31.9", "0.34.0", "1.0.0"):
-        with pytest.raises(ConfigError, match=r"outside the tested range vllm>=0\.32\.0,<0\.34") as e:
+    check_vllm_version("0.34.0")
+    for v in ("0.31.9", "0.35.0", "1.0.0"):
+        with pytest.raises(ConfigError, match=r"outside the tested range vllm>=0\.32\.0,<0\.35") as e:
             check_vllm_version(v)
         assert "\n" not in str(e.value)
 
