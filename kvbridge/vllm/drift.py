@@ -1,12 +1,16 @@
-"""The drift guard: vLLM's members the plug-in overrides, bypasses or mirrors, fingerprinted.
+"""The drift guard: vLLM's members the plug-in overrides, bypasses or mirrors, fingerprinted,
+and the fields of vLLM's data it reads, named.
 
 Each member's source is read as text (the installed vLLM's files, or a wheel's, without
 importing vLLM), parsed with ``ast``, stripped of docstrings (comments are gone already)
 and printed back with ``ast.unparse``: the fingerprint is a hash of that. A ``signature``
 member (a helper the plug-in only calls) is fingerprinted on its ``def`` line alone.
 Beside the members, every place vLLM keys a check on the name ``NixlConnector`` is
-fingerprinted too (kvbridge/vllm/guards.py answers them). kvbridge/vllm/fingerprints.py
-holds the recorded values, one entry per supported vLLM minor version.
+fingerprinted too (kvbridge/vllm/guards.py answers them). And every field of vLLM's data the
+plug-in reads (``FIELDS``: the scheduler output, requests, the connector metadata) is looked
+up: a field that is gone is named, as a fingerprint cannot (a class whose other fields
+changed would say "changed", not what the plug-in lost). kvbridge/vllm/fingerprints.py holds
+the recorded values, one entry per supported vLLM minor version.
 
 ``python -m kvbridge.vllm.drift [--wheel PATH] [--write]``: compare (or with ``--write``
 record) the installed vLLM or a downloaded wheel (``pip download vllm==X --no-deps``).
@@ -37,14 +41,25 @@ class Member:
     qualname: str  # Class.member, or a class
     kind: str  # "source" or "signature"
     why: str  # what the plug-in does with it
+    prefix: str = ""  # tells apart members of the same qualname in two files
 
     @property
     def key(self) -> str:
-        return self.qualname  # unique among MEMBERS
+        return self.prefix + self.qualname  # unique among MEMBERS
 
 
-def _m(path: str, qualname: str, why: str, kind: str = "source") -> Member:
-    return Member(path, qualname, kind, why)
+def _m(path: str, qualname: str, why: str, kind: str = "source", prefix: str = "") -> Member:
+    return Member(path, qualname, kind, why, prefix)
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Fields of one vLLM class the plug-in (or kvbridge's release tier) reads."""
+
+    path: str
+    cls: str
+    names: tuple[str, ...]
+    why: str
 
 
 MEMBERS: tuple[Member, ...] = (
@@ -120,6 +135,51 @@ MEMBERS: tuple[Member, ...] = (
        "decoded by the plug-in (_kvbridge_admit, describe_payload, registration)"),
     _m(NIXL + "metadata.py", "NixlAgentMetadata",
        "decoded by _kvbridge_admit; describe_payload reads its fields"),
+    # The model runner's connector bracket from 0.34 on (the mixin above before it): the
+    # order bind_connector_metadata, forward, start_load_kv, wait_for_save the tags rely on.
+    _m("v1/worker/cpu/kv_connector.py", "ActiveKVConnector.pre_forward",
+       "binds the metadata before the forward (tags cleared)", prefix="cpu."),
+    _m("v1/worker/cpu/kv_connector.py", "ActiveKVConnector.post_forward",
+       "wait_for_save after the forward (tags set), then the transfer results", prefix="cpu."),
+    _m("v1/worker/gpu/kv_connector.py", "ActiveKVConnector.pre_forward",
+       "binds the metadata before the forward (tags cleared)", prefix="gpu."),
+    _m("v1/worker/gpu/kv_connector.py", "ActiveKVConnector.post_forward",
+       "the transfer results after the forward", prefix="gpu."),
+    _m("v1/worker/gpu/kv_connector.py", "ActiveKVConnector.finalize_step",
+       "wait_for_save once the step's forwards are done (tags set)", prefix="gpu."),
+    # How vLLM finds the class: its branches on connector names (transfer_mode is read
+    # only for NixlConnector; the plug-in refuses it for push).
+    _m("distributed/kv_transfer/kv_connector/factory.py",
+       "KVConnectorFactory.get_connector_class",
+       "loads KVBridgeConnector by module path; its branches on names pass it by"),
+)
+
+SCHED_OUTPUT = "v1/core/sched/output.py"
+FIELDS: tuple[Fields, ...] = (
+    Fields(SCHED_OUTPUT, "SchedulerOutput",
+           ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
+            "finished_req_ids", "kv_connector_metadata"),
+           "TagWriter.step and build_connector_meta follow every scheduled request"),
+    Fields(SCHED_OUTPUT, "NewRequestData",
+           ("req_id", "prompt_token_ids", "block_ids", "num_computed_tokens"),
+           "TagWriter.step: a new (or, 0.34, resumed) request's prompt and blocks"),
+    Fields(SCHED_OUTPUT, "CachedRequestData",
+           ("req_ids", "resumed_req_ids", "new_block_ids", "num_computed_tokens"),
+           "TagWriter.step: a running request's new blocks (resumed_req_ids: read if there)"),
+    Fields("v1/request.py", "Request",
+           ("request_id", "prompt_token_ids", "kv_transfer_params"),
+           "KVBridgeScheduler: keys and prompts of requests held or read"),
+    Fields(NIXL + "metadata.py", "NixlConnectorMetadata",
+           ("reqs_to_recv", "reqs_not_processed"),
+           "the worker: READs to validate and key, aborted holds to forget"),
+    Fields(NIXL + "metadata.py", "ReqMeta", ("local_block_ids", "remote"),
+           "ReadValidator.expect: the READ's local blocks"),
+    Fields(NIXL + "metadata.py", "RemoteMeta",
+           ("block_ids", "engine_id", "num_tokens", "request_id"),
+           "ReadValidator.expect and the READ-done note's key"),
+    Fields("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorTransferResults",
+           ("finished_sending", "finished_recving"),
+           "KVBridgeWorker.get_transfer_results drops the keys of finished transfers"),
 )
 
 # A vLLM source tree: read(path under vllm/) -> text or None, and its .py paths.
@@ -218,6 +278,37 @@ def member_fingerprints(tree: SourceTree) -> dict[str, str | None]:
     return out
 
 
+def class_fields(node: ast.ClassDef) -> set[str]:
+    """The attributes a class declares: class-level names (dataclass and Struct fields),
+    properties and methods, and ``self.X`` assigned in ``__init__``."""
+    names: set[str] = set()
+    for n in node.body:
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            names.add(n.target.id)
+        elif isinstance(n, ast.Assign):
+            names.update(t.id for t in n.targets if isinstance(t, ast.Name))
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(n.name)
+            if n.name == "__init__":
+                for a in ast.walk(n):
+                    targets = (a.targets if isinstance(a, ast.Assign) else
+                               [a.target] if isinstance(a, ast.AnnAssign) else [])
+                    names.update(t.attr for t in targets if isinstance(t, ast.Attribute)
+                                 and isinstance(t.value, ast.Name) and t.value.id == "self")
+    return names
+
+
+def read_fields(tree: SourceTree) -> dict[str, bool]:
+    """``Class.field`` -> whether this vLLM has it, for every field in FIELDS."""
+    out: dict[str, bool] = {}
+    for f in FIELDS:
+        text = tree.read(f.path)
+        node = None if text is None else _find(ast.parse(text), f.cls)
+        have = class_fields(node) if isinstance(node, ast.ClassDef) else set()
+        out.update((f"{f.cls}.{name}", name in have) for name in f.names)
+    return out
+
+
 def name_checks(tree: SourceTree) -> dict[str, str]:
     """Every function (``path:qualname``) whose code holds the string ``NixlConnector``
     outside the NIXL package and the factory's registration, with its fingerprint."""
@@ -246,7 +337,7 @@ def _scan(node: ast.AST, path: str, prefix: str, out: dict[str, str]) -> None:
 
 def drift(tree: SourceTree) -> tuple[str, list[str]]:
     """The tree's ``X.Y`` and one line per difference from the recorded fingerprints."""
-    from kvbridge.vllm.fingerprints import FINGERPRINTS, NAME_CHECKS
+    from kvbridge.vllm.fingerprints import FIELDS_PRESENT, FINGERPRINTS, NAME_CHECKS
 
     version = minor_version(tree)
     if version not in FINGERPRINTS:
@@ -261,6 +352,15 @@ def drift(tree: SourceTree) -> tuple[str, list[str]]:
             what = "is gone" if now is None else "appeared" if was is None else "changed"
             problems.append(f"vLLM {version}: {m.qualname} ({m.path}) {what} "
                             f"[{m.kind} {was} -> {now}]; the plug-in: {m.why}")
+    have, now_have = FIELDS_PRESENT.get(version, {}), read_fields(tree)
+    for f in FIELDS:
+        for name in f.names:
+            key = f"{f.cls}.{name}"
+            if have.get(key) != now_have[key]:
+                what = ("is gone" if have.get(key) else "appeared" if now_have[key]
+                        else "(not recorded)")
+                problems.append(f"vLLM {version}: the field {key} ({f.path}) {what}; the "
+                                f"plug-in reads it: {f.why}")
     names, now_names = NAME_CHECKS.get(version, {}), name_checks(tree)
     for key in sorted(set(names) | set(now_names)):
         if names.get(key) != now_names.get(key):
@@ -285,18 +385,20 @@ from __future__ import annotations
 
 
 def write_fingerprints(version: str, members: dict[str, str | None],
-                       names: dict[str, str]) -> Path:
+                       names: dict[str, str], fields: dict[str, bool]) -> Path:
     """Replace ``version``'s entry in fingerprints.py (the other versions' stay)."""
-    from kvbridge.vllm.fingerprints import FINGERPRINTS, NAME_CHECKS
+    from kvbridge.vllm.fingerprints import FIELDS_PRESENT, FINGERPRINTS, NAME_CHECKS
 
     prints = {**FINGERPRINTS, version: members}
     checks = {**NAME_CHECKS, version: names}
+    present = {**FIELDS_PRESENT, version: fields}
 
     def block(name: str, hint: str, data: dict) -> str:
         lines = [f"{name}: {hint} = {{"]
         for v in sorted(data, key=lambda x: tuple(int(p) for p in x.split("."))):
             lines.append(f'    "{v}": {{')
-            lines += [f'        "{k}": ' + ("None" if h is None else f'"{h}"') + ","
+            lines += [f'        "{k}": ' + (repr(h) if h is None or isinstance(h, bool)
+                                                 else f'"{h}"') + ","
                       for k, h in data[v].items()]
             lines.append("    },")
         return "\n".join([*lines, "}"]) + "\n"
@@ -304,7 +406,9 @@ def write_fingerprints(version: str, members: dict[str, str | None],
     FINGERPRINTS_FILE.write_text(
         _HEADER + block("FINGERPRINTS", "dict[str, dict[str, str | None]]", prints) + "\n"
         + "# Functions keyed on the name NixlConnector (path under vllm/:qualname).\n"
-        + block("NAME_CHECKS", "dict[str, dict[str, str]]", checks))
+        + block("NAME_CHECKS", "dict[str, dict[str, str]]", checks) + "\n"
+        + "# Whether each field the plug-in reads (drift.FIELDS) exists.\n"
+        + block("FIELDS_PRESENT", "dict[str, dict[str, bool]]", present))
     return FINGERPRINTS_FILE
 
 
@@ -318,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     tree = wheel_tree(args.wheel) if args.wheel else installed_tree()
     if args.write:
         version = minor_version(tree)
-        path = write_fingerprints(version, member_fingerprints(tree), name_checks(tree))
+        path = write_fingerprints(version, member_fingerprints(tree), name_checks(tree),
+                                  read_fields(tree))
         print(f"vLLM {version} ({tree.where}): recorded in {path}")
         return 0
     version, problems = drift(tree)
@@ -326,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(f"vLLM {version} ({tree.where}): "
           + (f"{len(problems)} difference(s)" if problems else
-             f"{len(MEMBERS)} members and the {NAME} name checks as recorded"))
+             f"{len(MEMBERS)} members, {sum(len(f.names) for f in FIELDS)} fields and the "
+             f"{NAME} name checks as recorded"))
     return 1 if problems else 0
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.vllm.drift import (
+    FIELDS,
     MEMBERS,
     NIXL,
     SourceTree,
@@ -82,7 +83,11 @@ def test_a_new_check_on_the_name_is_named() -> None:
 def test_the_fingerprints_are_of_the_members_vllm_imports() -> None:
     """The files read are the code vLLM runs: inspect.getsource of each imported member."""
     for m in MEMBERS:
-        module = importlib.import_module("vllm." + m.path[:-3].replace("/", "."))
+        try:
+            module = importlib.import_module("vllm." + m.path[:-3].replace("/", "."))
+        except ModuleNotFoundError:  # a file of a later vLLM
+            assert FINGERPRINTS[minor_version(installed_tree())][m.key] is None, m.key
+            continue
         obj = module
         try:
             for part in m.qualname.split("."):
@@ -99,8 +104,8 @@ def test_the_script_reads_a_wheel(tmp_path: Path, capsys) -> None:
     """``--wheel``: a zip of the installed files (what it needs), clean, then one member
     changed: exit 1 and the member named."""
     tree = installed_tree()
-    names = {m.path for m in MEMBERS} | {"_version.py", "config/vllm.py", "platforms/cpu.py",
-                                         "models/step5/nvidia/model.py"}
+    names = {m.path for m in MEMBERS} | {f.path for f in FIELDS} | {
+        "_version.py", "config/vllm.py", "platforms/cpu.py", "models/step5/nvidia/model.py"}
 
     def wheel(path: Path, tree: SourceTree) -> Path:
         with zipfile.ZipFile(path, "w") as z:
@@ -116,3 +121,23 @@ def test_the_script_reads_a_wheel(tmp_path: Path, capsys) -> None:
     assert main(["--wheel", str(wheel(tmp_path / "changed.whl", changed))]) == 1
     out = capsys.readouterr().out
     assert "NixlBaseConnectorScheduler._nixl_handshake_listener (" in out, out
+
+
+def test_a_removed_field_the_plugin_reads_is_named() -> None:
+    """vLLM 0.34 removed CachedRequestData.resumed_req_ids, which the plug-in read: no
+    member it overrides changed, so only the fields' look-up says so."""
+    tree = edited(installed_tree(), "v1/core/sched/output.py",
+                  "    resumed_req_ids: set[str]\n", "")
+    _, problems = drift(tree)
+    assert problems == [
+        f"vLLM {minor_version(tree)}: the field CachedRequestData.resumed_req_ids "
+        "(v1/core/sched/output.py) is gone; the plug-in reads it: TagWriter.step: a running "
+        "request's new blocks (resumed_req_ids: read if there)"]
+
+
+def test_every_field_the_plugin_reads_is_found_somewhere() -> None:
+    """A field name mistyped in drift.FIELDS would be recorded absent everywhere."""
+    from kvbridge.vllm.fingerprints import FIELDS_PRESENT
+
+    for key in FIELDS_PRESENT["0.32"]:
+        assert any(FIELDS_PRESENT[v][key] for v in FIELDS_PRESENT), key
