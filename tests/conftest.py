@@ -23,6 +23,7 @@ KVPEER = str(ROOT / "tests" / "kvpeer.py")
 # carry @pytest.mark.slow itself.
 SLOW = (
     "tests/vllm/",  # real vLLM servers
+    "tests/releases/",  # the plug-in through each vLLM release's own code
     "tests/netns/",
     "tests/e2e/test_demo.py",  # the SmolLM2 demos
     "tests/e2e/test_real_model.py",

@@ -1,0 +1,458 @@
+"""One vLLM instance without a model, run on the real code of whichever vLLM is imported.
+
+Run as a process of its own (``python tests/releases/node.py``) with a vLLM release first on
+``PYTHONPATH``: it builds that release's real ``VllmConfig``, ``Scheduler`` and ``Request``s,
+the plug-in's connectors through vLLM's own factory and transfer state, KV caches as CPU
+tensors (registered with real NIXL by the connector) and drives them with that release's
+model-runner connector bracket (0.34's ``ActiveKVConnector``, the mixin before it). The only
+stand-in is the forward: a step writes a known value per (token, position) into the blocks
+the scheduler gave, so a decode can check the bytes it READ, and samples a token that is a
+function of the sequence.
+
+Commands are JSON lines on stdin, answers JSON lines on stdout (logs go to stderr):
+``start``, ``add``, ``run``, ``note``, ``corrupt``, ``preempt``, ``state``, ``quit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+NUM_KV_HEADS = 4  # not 2: the K/V axis of a cache tensor is told apart by its size
+HEAD_SIZE = 64
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def model_dir(root: Path) -> Path:
+    """A model configuration without weights: vLLM reads config.json only (no tokenizer)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": len(LAYERS), "num_attention_heads": 4,
+        "num_key_value_heads": NUM_KV_HEADS, "head_dim": HEAD_SIZE, "vocab_size": 1000,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+        "tie_word_embeddings": False}))
+    return root
+
+
+def kv_value(token: int, position: int, layer: int) -> float:
+    """What the stand-in forward writes for one token: exact in float32."""
+    return float((token * 4096 + position) * (layer + 1))
+
+
+def sample(tokens: list[int]) -> int:
+    """The stand-in sampler: a function of the sequence so far, never the EOS (2)."""
+    return 3 + (sum(tokens) * 31 + len(tokens)) % 990
+
+
+class Node:
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}  # every request's prompt and output so far
+        self.events: dict[str, dict[str, Any]] = {}
+        self.loaded: dict[str, dict[str, Any]] = {}
+        self.stats: dict[str, Any] = {}  # the connector's stats, added up over the steps
+
+    # -- set-up ------------------------------------------------------------------------
+
+    def start(self, block_size: int, num_blocks: int, extra: dict[str, Any],
+              model: str, model_len: int = 512, batch_tokens: int = 512
+              ) -> dict[str, Any]:
+        """``model``: a directory for the model's config.json, one for every node of a
+        test (its path is part of vLLM's compatibility hash)."""
+        import torch
+        import vllm
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+            set_current_vllm_config,
+        )
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        self.version = vllm.__version__
+        _cpu_without_triton_cpu()
+        self.block_size = block_size
+        ktc = KVTransferConfig(
+            kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.vllm",
+            kv_role="kv_both", kv_buffer_device="cpu", kv_connector_extra_config=extra)
+        mc = ModelConfig(model=str(model_dir(Path(model))), dtype="float32",
+                         skip_tokenizer_init=True, max_model_len=model_len)
+        sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=batch_tokens,
+                             max_model_len=model_len, is_encoder_decoder=False,
+                             enable_chunked_prefill=True)
+        cc = CacheConfig(block_size=block_size, enable_prefix_caching=False)
+        self.config = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc,
+                                 kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
+                                 head_size=HEAD_SIZE, dtype=torch.float32)
+        with set_current_vllm_config(self.config):
+            _resolve_layout(self.config, spec)
+            # The engine core's plan of the cache (num_blocks of them), then the model
+            # runner's allocation of it, as views [block, head, slot, channel] per layer.
+            self.config.cache_config.num_gpu_blocks_override = num_blocks
+            self.kv_cache_config = _plan(self.config, {n: spec for n in LAYERS}, num_blocks)
+            self.config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
+            self._start_worker()
+            self._start_scheduler(block_size)
+        sched_conn = self.scheduler.get_kv_connector()
+        inner = sched_conn.connector_scheduler
+        return {"version": self.version, "engine_id": sched_conn.engine_id,
+                "host": inner.side_channel_host, "port": inner.side_channel_port,
+                "bracket": self.bracket_name}
+
+    def _start_worker(self) -> None:
+        import torch
+        from vllm.distributed import (
+            ensure_model_parallel_initialized,
+            init_distributed_environment,
+        )
+        from vllm.distributed.kv_transfer import ensure_kv_transfer_initialized
+        from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+        port = _free_port()
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        ensure_model_parallel_initialized(1, 1)
+        try:
+            ensure_kv_transfer_initialized(self.config, self.kv_cache_config)
+        except TypeError:  # a release whose state takes the config alone
+            ensure_kv_transfer_initialized(self.config)
+        self.worker = get_kv_transfer_group()
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        layout = self.config.cache_config.get_resolved_kv_cache_layout()
+        self.kv = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), layout)
+        self.views = list(self.kv.values())
+        self.bracket = _Bracket(self.config, self.kv)
+        self.bracket_name = self.bracket.name
+
+    def _start_scheduler(self, block_size: int) -> None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.scheduler = Scheduler(
+            vllm_config=self.config, kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=block_size, log_stats=True)
+        # The engine core's hand-over: every worker's handshake metadata, by (pp, tp).
+        meta = self.worker.get_handshake_metadata()
+        conn = self.scheduler.get_kv_connector()
+        content = {(0, 0): meta}
+        if hasattr(conn, "set_xfer_handshake_metadata_pp_aware"):
+            conn.set_xfer_handshake_metadata_pp_aware(content)
+        else:
+            conn.set_xfer_handshake_metadata(content)
+
+    # -- requests ----------------------------------------------------------------------
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int,
+            params: dict[str, Any] | None = None) -> dict[str, Any]:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        sp.extra_args = {"kv_transfer_params": params} if params is not None else None
+        req = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp,
+                      pooling_params=None)
+        if params is not None and getattr(req, "kv_transfer_params", None) is None:
+            req.kv_transfer_params = params
+        self.tokens[req_id] = list(prompt)
+        self.scheduler.add_request(req)
+        return {"ok": True}
+
+    def run(self, req_ids: list[str], timeout: float = 60.0,
+            until: str = "finished") -> dict[str, Any]:
+        """Step until every request in ``req_ids`` is finished (or, ``until="held"``, has
+        finished computing with its KV held, ``until="sent"``, its hold released)."""
+        deadline = time.monotonic() + timeout
+        steps = 0
+        while not all(self._reached(r, until) for r in req_ids):
+            if time.monotonic() > deadline:
+                return {"timeout": True, "steps": steps, "events": self.events,
+                        "loaded": self.loaded}
+            self.step()
+            steps += 1
+            if not self._busy():
+                time.sleep(0.005)  # waiting on a peer: NIXL progresses on its own thread
+        return {"timeout": False, "steps": steps, "events": self.events,
+                "loaded": self.loaded}
+
+    def _reached(self, req_id: str, until: str) -> bool:
+        ev = self.events.get(req_id, {})
+        return {"finished": "finished" in ev, "sent": ev.get("sent", False),
+                "held": "finished" in ev}[until]
+
+    def _busy(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def step(self) -> None:
+        so = self.scheduler.schedule()
+        scheduled = self._scheduled(so)
+        kv_out = self.bracket.run(so, lambda: self._forward(so, scheduled))
+        out = self._model_runner_output(scheduled, kv_out)
+        engine_outputs = self.scheduler.update_from_output(so, out)
+        for eco in engine_outputs.values():
+            for o in eco.outputs:
+                ev = self.events.setdefault(o.request_id, {})
+                if o.new_token_ids:
+                    ev.setdefault("output", []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    ev["finished"] = str(o.finish_reason)
+                    ev["kv_transfer_params"] = o.kv_transfer_params
+        if kv_out is not None:
+            for r in kv_out.finished_sending or ():
+                self.events.setdefault(r, {})["sent"] = True
+            if kv_out.kv_connector_stats is not None:
+                self._add_stats(kv_out.kv_connector_stats.data)
+
+    def _add_stats(self, data: dict[str, Any]) -> None:
+        for key, value in data.items():
+            if isinstance(value, (int, float)):
+                self.stats[key] = self.stats.get(key, 0) + value
+            elif value and all(isinstance(v, str) for v in value):  # labels: counted
+                counts = self.stats.setdefault(key, {})
+                for v in value:
+                    counts[v] = counts.get(v, 0) + 1
+            elif value:
+                self.stats[key + "_count"] = self.stats.get(key + "_count", 0) + len(value)
+
+    def wait_stat(self, key: str, label: str, at_least: int, timeout: float = 30.0
+                  ) -> dict[str, Any]:
+        """Step until the stats count ``at_least`` of ``key{label}`` (a note arrives on
+        NIXL's own time)."""
+        deadline = time.monotonic() + timeout
+        while self.stats.get(key, {}).get(label, 0) < at_least:
+            if time.monotonic() > deadline:
+                return {"timeout": True, "stats": self.stats}
+            self.step()
+            time.sleep(0.002)
+        return {"timeout": False, "stats": self.stats}
+
+    def steps(self, n: int) -> dict[str, Any]:
+        for _ in range(n):
+            self.step()
+        return {"events": self.events}
+
+    def _scheduled(self, so: Any) -> list[tuple[str, int, int, list[int]]]:
+        """(request, first position, count, block ids) of everything this step computes."""
+        out = []
+        blocks_of = self.scheduler.kv_cache_manager.get_block_ids
+        for new in so.scheduled_new_reqs:
+            out.append((new.req_id, new.num_computed_tokens,
+                        so.num_scheduled_tokens[new.req_id], list(blocks_of(new.req_id)[0])))
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            out.append((req_id, cached.num_computed_tokens[i], so.num_scheduled_tokens[req_id],
+                        list(blocks_of(req_id)[0])))
+        return out
+
+    def _forward(self, so: Any, scheduled: list[tuple[str, int, int, list[int]]]) -> None:
+        bs = self.block_size
+        for req_id, start, n, blocks in scheduled:
+            toks = self.tokens[req_id]
+            if start > 0 and req_id not in self.loaded and req_id in _new_ids(so):
+                self.loaded[req_id] = self._check_loaded(req_id, start, blocks)
+            for pos in range(start, start + n):
+                b, s = blocks[pos // bs], pos % bs
+                for layer, view in enumerate(self.views):
+                    v = kv_value(toks[pos], pos, layer)
+                    view[b, :, s, :] = v
+
+    def _check_loaded(self, req_id: str, n: int, blocks: list[int]) -> dict[str, Any]:
+        """Before its first forward after a READ: do its blocks hold the prompt's KV?"""
+        bs, toks = self.block_size, self.tokens[req_id]
+        wrong = 0
+        for pos in range(n):
+            b, s = blocks[pos // bs], pos % bs
+            for layer, view in enumerate(self.views):
+                v = kv_value(toks[pos], pos, layer)
+                if not bool((view[b, :, s, :] == v).all()):
+                    wrong += 1
+        return {"tokens": n, "wrong": wrong}
+
+    def _model_runner_output(self, scheduled: list[tuple[str, int, int, list[int]]],
+                             kv_out: Any) -> Any:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids, sampled = [], []
+        for req_id, start, n, _ in scheduled:
+            req_ids.append(req_id)
+            toks = self.tokens[req_id]
+            req = self.scheduler.requests[req_id]
+            if start + n >= req.num_prompt_tokens and start + n >= len(toks):
+                tok = sample(toks[:start + n])
+                toks.append(tok)
+                sampled.append([tok])
+            else:
+                sampled.append([])  # a chunk of a prompt: nothing sampled
+        names = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+        kwargs: dict[str, Any] = {"req_ids": req_ids, "sampled_token_ids": sampled,
+                                  "kv_connector_output": kv_out}
+        if "req_id_to_index" in names:
+            kwargs["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+        if "pooler_output" in names:
+            kwargs["pooler_output"] = []
+        return ModelRunnerOutput(**kwargs)
+
+    # -- faults ------------------------------------------------------------------------
+
+    def note(self, peer_engine: str, message: str) -> dict[str, Any]:
+        """Send ``message`` as a NIXL note from this node's agent to an agent of
+        ``peer_engine`` it handshook with (a forged or malformed note)."""
+        w = self.worker.connector_worker
+        agents = w._remote_agents.get(peer_engine, {})
+        if not agents:
+            return {"ok": False, "why": f"no agent of {peer_engine}"}
+        name = next(iter(agents.values()))
+        agent = getattr(w.nixl_wrapper, "_agent", w.nixl_wrapper)  # without hold keys
+        agent.send_notif(name, message.encode("latin-1"))
+        return {"ok": True}
+
+    def preempt(self, req_id: str) -> dict[str, Any]:
+        """Preempt a running request as vLLM does when it runs out of blocks."""
+        req = self.scheduler.requests[req_id]
+        self.scheduler.running.remove(req)
+        self.scheduler._preempt_request(req, time.monotonic())
+        return {"ok": True}
+
+    def state(self) -> dict[str, Any]:
+        return {"stats": self.stats,
+                "free_blocks": self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+                "requests": sorted(self.scheduler.requests)}
+
+    def quit(self) -> None:
+        self.worker.shutdown()
+        conn = self.scheduler.get_kv_connector()
+        if conn is not None:
+            conn.shutdown()
+
+
+class _Bracket:
+    """The release's own model-runner code around the forward: 0.34's CPU
+    ``ActiveKVConnector`` (it also registers the caches), else the model-runner mixin."""
+
+    def __init__(self, config: Any, kv: dict[str, Any]) -> None:
+        try:
+            from vllm.v1.worker.cpu.kv_connector import get_kv_connector
+        except ImportError:
+            get_kv_connector = None
+        if get_kv_connector is not None:
+            self.name = "ActiveKVConnector"
+            self._active = get_kv_connector(config, kv)  # registers the caches
+            return
+        from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
+        from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+        self.name = "KVConnectorModelRunnerMixin"
+        self._active = None
+        self.config = config
+        group = get_kv_transfer_group()
+        group.register_kv_caches(kv)  # as the model runner's initialize_kv_cache
+        group.set_host_xfer_buffer_ops(copy_kv_blocks)
+
+    def run(self, so: Any, forward: Any) -> Any:
+        if self._active is not None:
+            self._active.pre_forward(so)
+            forward()
+            self._active.finish_forward()
+            return self._active.post_forward(so.finished_req_ids)
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+        with set_forward_context(None, self.config), \
+                KVConnectorModelRunnerMixin._get_kv_connector_output(so) as out:
+            forward()
+        return out
+
+
+def _resolve_layout(config: Any, spec: Any) -> None:
+    """The engine core's resolution of the KV cache layout, from what the worker's
+    attention backends support."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        record_kv_cache_layout,
+        resolve_kv_cache_layout,
+    )
+
+    backends = get_current_attn_backends(config)
+    supported = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
+    layout = resolve_kv_cache_layout(config, [supported], [spec])
+    record_kv_cache_layout(config.cache_config, layout.name)
+
+
+def _new_ids(so: Any) -> set[str]:
+    return {n.req_id for n in so.scheduled_new_reqs}
+
+
+def _plan(config: Any, specs: dict[str, Any], num_blocks: int) -> Any:
+    """The engine core's KVCacheConfig for ``specs`` (its module moved in 0.33, which
+    also plans the model's groups first)."""
+    import importlib
+    import inspect
+
+    try:
+        planning = importlib.import_module("vllm.v1.core.kv_cache_planning")
+    except ImportError:
+        planning = importlib.import_module("vllm.v1.core.kv_cache_utils")
+    page = next(iter(specs.values())).page_size_bytes
+    args: list[Any] = [config, [specs], [page * len(specs) * num_blocks]]
+    if "global_kv_cache_groups" in inspect.signature(planning.get_kv_cache_configs).parameters:
+        args.append(planning.get_global_kv_cache_groups(config, [specs]))
+    return planning.get_kv_cache_configs(*args)[0]
+
+
+def _cpu_without_triton_cpu() -> None:
+    """vLLM 0.34 refuses x86 CPUs without Triton's CPU backend (``triton-cpu``), which no
+    package index here has. No kernel runs in this process, so the check is answered
+    yes: the one stand-in of the tier, for a check about kernels it never uses."""
+    try:
+        import vllm.triton_utils as tu
+    except ImportError:
+        return
+    tu.HAS_TRITON = True
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    node = Node()
+    out = sys.stdout
+    sys.stdout = sys.stderr  # vLLM's prints never mix with the answers
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            if op == "quit":
+                node.quit()
+                answer: Any = {"ok": True}
+            else:
+                answer = getattr(node, op)(**cmd)
+        except Exception as e:  # noqa: BLE001 - the test reads the error, the node lives on
+            traceback.print_exc()
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(answer, default=str) + "\n")
+        out.flush()
+        if op == "quit":
+            break
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""The plug-in driven through the real code of vLLM 0.32, 0.33 and 0.34: each release's
+``Scheduler`` and ``Request``s, its connector factory and transfer state, its model-runner
+connector bracket, with KV caches registered with real NIXL and the side channel between
+a prefill and a decode in processes of their own (tests/releases/node.py). No model runs:
+a step writes a known value per (token, position), so the decode checks every byte it READ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbridge.testing.certs import write_certs
+from kvbridge.testing.etcd import EtcdProcess
+from tests.releases.conftest import Node, start_nodes
+
+BLOCK = 32  # the CPU attention's block sizes are multiples of 32
+LEASE_S = 5  # a held request's blocks are freed this long after the prefill computed it
+TOKEN = "release-tier-secret"
+
+
+def prompt(seed: int, n: int = 100) -> list[int]:
+    return [3 + (seed * 7919 + i * 104729) % 990 for i in range(n)]
+
+
+def https(certs: Path, name: str, token_file: Path) -> dict[str, Any]:
+    return {"handshake_method": "http", "ssl_certfile": str(certs / f"{name}.pem"),
+            "ssl_keyfile": str(certs / f"{name}.key"), "ssl_ca_certs": str(certs / "ca.pem"),
+            "ssl_cert_reqs": "required", "token_file": str(token_file)}
+
+
+@pytest.fixture(scope="module")
+def etcd(log_dir: Path) -> Iterator[EtcdProcess]:
+    with EtcdProcess(log_dir=log_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def nodes(release: str, log_dir: Path, etcd: EtcdProcess) -> Iterator[dict[str, Node]]:
+    """Per release: an https prefill (mutual TLS, a token, short leases, chunked prefill) with
+    a decode of the same block size and one of twice it; a pair over vLLM's zmq wire; a pair
+    over the etcd method."""
+    (log_dir / "certs").mkdir()
+    certs = write_certs(log_dir / "certs", ("prefill", "decode"))
+    token = log_dir / "token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
+    model = str(log_dir / "model")
+    base = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
+    lease = {"kv_lease_duration": LEASE_S}
+    etcd_method = {"side_channel_host": "127.0.0.1", "handshake_method": "etcd",
+                   "registry": etcd.url}
+    specs = {
+        "P": {"block_size": BLOCK, "num_blocks": 24, "batch_tokens": 64, "model": model,
+              "extra": {**base, **https(certs, "prefill", token), **lease}},
+        "D": {"block_size": BLOCK, "num_blocks": 64, "model": model,
+              "extra": {**base, **https(certs, "decode", token)}},
+        "D2": {"block_size": 2 * BLOCK, "num_blocks": 32, "model": model,
+               "extra": {**base, **https(certs, "decode", token)}},
+        "Pz": {"block_size": BLOCK, "num_blocks": 24, "model": model, "extra": base},
+        "Dz": {"block_size": BLOCK, "num_blocks": 24, "model": model, "extra": base},
+        "Pe": {"block_size": BLOCK, "num_blocks": 24, "model": model,
+               "extra": {**etcd_method, "side_channel_port": _free_port()}},
+        "De": {"block_size": BLOCK, "num_blocks": 24, "model": model,
+               "extra": {**etcd_method, "side_channel_port": _free_port()}},
+    }
+    started = start_nodes(release, log_dir, specs)
+    try:
+        yield started
+    finally:
+        for n in started.values():
+            n.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def held(p: Node, req_id: str, tokens: list[int]) -> dict[str, Any]:
+    """The prefill computes ``req_id`` and holds its KV: its ``kv_transfer_params``."""
+    p("add", req_id=req_id, prompt=tokens, max_tokens=1, params={"do_remote_decode": True})
+    out = p("run", req_ids=[req_id], timeout=60)
+    assert not out["timeout"], out
+    params = out["events"][req_id]["kv_transfer_params"]
+    assert params and params["remote_block_ids"], out["events"][req_id]
+    return params
+
+
+def read(d: Node, req_id: str, tokens: list[int], params: dict[str, Any],
+         max_tokens: int = 4) -> dict[str, Any]:
+    """The decode READs ``req_id``'s KV with ``params`` and generates: its events, and what
+    its blocks held when its first forward came (``loaded``: tokens checked, wrong ones)."""
+    d("add", req_id=req_id, prompt=tokens, max_tokens=max_tokens, params=params)
+    out = d("run", req_ids=[req_id], timeout=60)
+    assert not out["timeout"], (out, d.log_tail())
+    return {"event": out["events"][req_id], "loaded": out["loaded"].get(req_id)}
+
+
+def reads(node: Node, result: str) -> int:
+    return int(node.stats().get("kvbridge_kv_reads", {}).get(result, 0))
+
+
+def ignored(node: Node, why: str) -> int:
+    return int(node.stats().get("kvbridge_notes_ignored", {}).get(why, 0))
+
+
+def assert_read_whole(result: dict[str, Any], tokens: list[int]) -> None:
+    assert result["event"]["finished"] == "length", result
+    assert len(result["event"]["output"]) == 4
+    loaded = result["loaded"]
+    assert loaded is not None, "the decode computed the prompt instead of reading it"
+    assert loaded["tokens"] == len(tokens) - 1 and loaded["wrong"] == 0, loaded
+
+
+@pytest.mark.parametrize("pair", [("P", "D"), ("Pz", "Dz"), ("Pe", "De")],
+                         ids=["https-token", "vllm-zmq", "etcd"])
+def test_a_read_brings_the_bytes_the_prefill_wrote_and_is_validated(nodes, release, pair):
+    p, d = nodes[pair[0]], nodes[pair[1]]
+    tokens = prompt(1)
+    before = reads(d, "validated")
+    result = read(d, f"whole-{pair[0]}", tokens, held(p, f"whole-{pair[0]}", tokens))
+    assert_read_whole(result, tokens)
+    assert reads(d, "validated") == before + 1
+    assert nodes["P"].info["bracket"] == ("ActiveKVConnector" if release == "0.34"
+                                          else "KVConnectorModelRunnerMixin")
+
+
+def test_decode_with_another_block_size_reads_validated(nodes):
+    p, d2 = nodes["P"], nodes["D2"]
+    tokens = prompt(2)
+    before = reads(d2, "validated")
+    result = read(d2, "bs-whole", tokens, held(p, "bs-whole", tokens))
+    assert_read_whole(result, tokens)
+    assert reads(d2, "validated") == before + 1
+    assert reads(d2, "unvalidated") == 0
+
+
+@pytest.mark.parametrize("decode", ["D", "D2"], ids=["same-block-size", "other-block-size"])
+def test_a_read_after_the_lease_ran_out_and_the_blocks_were_reused_is_stale(nodes, decode):
+    """The public incident: the prefill frees a held request's blocks when its lease runs
+    out, other prompts take them, and a decode then handed the old params READs them."""
+    p, d = nodes["P"], nodes[decode]
+    tokens = prompt(3)
+    params = held(p, f"late-{decode}", tokens)
+    out = p("run", req_ids=[f"late-{decode}"], until="sent", timeout=LEASE_S * 6)
+    assert not out["timeout"], "the prefill never released the hold at its lease's end"
+    others = [f"reuse-{decode}-{i}" for i in range(3)]
+    for i, r in enumerate(others):  # together they take 21 of the 23 blocks
+        p("add", req_id=r, prompt=prompt(10 + i, 7 * BLOCK), max_tokens=1)
+    assert not p("run", req_ids=others, timeout=60)["timeout"]
+    before = reads(d, "stale")
+    result = read(d, f"late-{decode}", tokens, params)
+    assert reads(d, "stale") == before + 1
+    assert reads(d, "unvalidated") == 0
+    # vLLM's default kv_load_failure_policy (fail): refused, never answered from reused KV
+    assert result["event"]["finished"] == "error", result
+    assert result["loaded"] is None, result
+
+
+def test_a_note_without_the_holds_key_releases_nothing(nodes):
+    p, d = nodes["P"], nodes["D"]
+    warm = prompt(4)
+    assert_read_whole(read(d, "forge-warm", warm, held(p, "forge-warm", warm)), warm)
+    tokens = prompt(5)
+    params = held(p, "forged", tokens)
+    before = ignored(p, "no_key")
+    d("note", peer_engine=p.engine_id, message="forged:1")  # vLLM's READ-done note
+    assert not p("wait_stat", key="kvbridge_notes_ignored", label="no_key",
+                 at_least=before + 1)["timeout"]
+    assert "sent" not in p("run", req_ids=[], timeout=1)["events"].get("forged", {})
+    assert_read_whole(read(d, "forged", tokens, params), tokens)  # the blocks were kept
+
+
+@pytest.mark.parametrize("message", ["garbage-without-colon", "x:notanumber", "x:0", "\xff:1"],
+                         ids=["no-colon", "count-not-a-number", "count-zero", "not-utf8"])
+def test_a_malformed_note_is_dropped_and_the_prefill_keeps_serving(nodes, message):
+    p, d = nodes["P"], nodes["D"]
+    warm = prompt(6)
+    assert_read_whole(read(d, f"note-{message}", warm, held(p, f"note-{message}", warm)), warm)
+    before = ignored(p, "malformed")
+    d("note", peer_engine=p.engine_id, message=message)
+    # vLLM's parse of notes runs in the step that gets it: a raise there fails the node
+    assert not p("wait_stat", key="kvbridge_notes_ignored", label="malformed",
+                 at_least=before + 1)["timeout"]
+    tokens = prompt(7)
+    assert_read_whole(read(d, f"after-{message}", tokens, held(p, f"after-{message}", tokens)),
+                      tokens)
+
+
+def test_a_request_preempted_and_resumed_on_the_prefill_is_read_validated(nodes):
+    """The prefill computes the prompt in chunks (64 tokens a step); preempted after its
+    first chunk, it is resumed (0.32-0.33: ``resumed_req_ids``; 0.34: as a new request)
+    into other blocks, and its tags follow it."""
+    p, d = nodes["P"], nodes["D"]
+    tokens = prompt(8, 150)
+    p("add", req_id="preempted", prompt=tokens, max_tokens=1,
+      params={"do_remote_decode": True})
+    p("steps", n=1)
+    p("preempt", req_id="preempted")
+    out = p("run", req_ids=["preempted"], timeout=60)
+    params = out["events"]["preempted"]["kv_transfer_params"]
+    before = reads(d, "validated")
+    assert_read_whole(read(d, "preempted", tokens, params), tokens)
+    assert reads(d, "validated") == before + 1
+
+
+def test_the_drift_guard_is_clean_on_the_release(release):
+    """Every member the plug-in overrides, every field it reads and every check on the name
+    NixlConnector are as recorded for this release (kvbridge/vllm/fingerprints.py)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.releases.conftest import ROOT, release_path
+
+    path = release_path(release)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(p) for p in (path, ROOT) if p is not None])}
+    r = subprocess.run([sys.executable, "-m", "kvbridge.vllm.drift"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"vLLM {release} (" in r.stdout and "as recorded" in r.stdout
