@@ -102,6 +102,8 @@ class SideChannelConfig:
     # to append one JSON line per fetch, refusal and release
     tokens_file: str | None = None
     ssl_allowed_peers: str | None = None
+    # side channels this instance presents its token to (kvbridge/trust.py)
+    trusted_side_channels: str | None = None
     audit_log: str | None = None
     side_channel_isolation: str = _d("side_channel_isolation")
     side_channel_keep_alive_timeout: float = _d("side_channel_keep_alive_timeout")

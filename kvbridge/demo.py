@@ -169,7 +169,8 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 24,
         _write_certs(tmp)
         pp, dp, xp, sp = (free_port() for _ in range(4))
         tls = ["--ssl-certfile", str(tmp / "server.pem"), "--ssl-ca-certs", str(tmp / "ca.pem")]
-        side = ["--handshake", handshake, "--side-channel-token-file", str(tmp / "token")]
+        side = ["--handshake", handshake, "--side-channel-token-file", str(tmp / "token"),
+                "--trusted-side-channels", "127.0.0.1"]
         served = ["--served-model-name", m.name] + ([] if m.path is None else
                                                    ["--model", m.path])
         print(f"kvbridge demo: model {m.description}", flush=True)

@@ -57,6 +57,11 @@ class PeerMismatch(HandshakeError):
     """The peer is not the one the request named (engine id, TP size)."""
 
 
+class UntrustedSideChannel(HandshakeError):
+    """A fetch with our token from a side channel not in ``trusted_side_channels``: refused
+    before connecting, so the token never reaches it."""
+
+
 class EpochChanged(HandshakeError):
     """The peer restarted: its instance epoch differs from the one expected."""
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from kvbridge.handshake.base import MetadataStore, Reply
 from kvbridge.metadata import Compat, KVLayout, RankMetadata, compat_of
@@ -139,3 +141,34 @@ def read_request(conn: socket.socket) -> bytes:
         data += chunk
     return data
 
+
+
+class RogueSideChannel(RawServer):
+    """An attacker's side channel on 127.0.0.1 (TLS with ``certfile``/``keyfile``): it
+    records every connection and the ``Authorization`` header of every request, and
+    answers 404."""
+
+    def __init__(self, certfile: Path | None = None, keyfile: Path | None = None):
+        self.connections = 0
+        self.authorizations: list[str] = []
+        self._ctx = None
+        if certfile is not None:
+            self._ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            self._ctx.load_cert_chain(str(certfile), str(keyfile))
+        super().__init__(self._serve)
+
+    def _serve(self, conn: socket.socket) -> None:
+        self.connections += 1
+        conn.settimeout(10)
+        if self._ctx is not None:
+            try:
+                conn = self._ctx.wrap_socket(conn, server_side=True)
+            except (OSError, ssl.SSLError):  # a client that does not trust the certificate
+                return
+        with conn:
+            head = read_request(conn).decode("latin-1")
+            self.authorizations += [line.split(":", 1)[1].strip()
+                                    for line in head.split("\r\n")
+                                    if line.lower().startswith("authorization:")]
+            conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n"
+                         b"connection: close\r\n\r\n")

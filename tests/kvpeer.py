@@ -58,7 +58,7 @@ def _config(args: argparse.Namespace, method: str) -> SideChannelConfig:
             tls["ssl_cert_reqs"] = "required"
     return SideChannelConfig.load(dict(handshake_method=method, token=args.token,
                                        side_channel_port=0, handshake_timeout=args.timeout,
-                                       **tls), environ={})
+                                       trusted_side_channels="127.0.0.1", **tls), environ={})
 
 
 def _agents(tp: int, blocks: int, fill: bool) -> list[NixlAgent]:

@@ -179,6 +179,7 @@ def test_make_server_and_client_from_settings(certs, clients, method):
         tls = dict(ssl_certfile=str(certs / "prefill.pem"), ssl_keyfile=str(certs / "prefill.key"),
                    ssl_ca_certs=str(certs / "ca.pem"))
     config = SideChannelConfig.load({"handshake_method": method, "token": TOKEN,
+                                     "trusted_side_channels": HOST,
                                      "side_channel_port": 0, **tls}, environ={})
     store = full_store(2)
     with make_server(config, store) as server:
@@ -998,8 +999,10 @@ def test_observer_sees_every_answered_request(method):
     server = cls(store, HOST, 0, token=TOKEN, observer=lambda *a: seen.append(a))
     server.start()
     try:
-        good = make_client(SideChannelConfig(handshake_method=method, token=TOKEN), compat())
-        bad = make_client(SideChannelConfig(handshake_method=method, token="nope"), compat())
+        good = make_client(SideChannelConfig(handshake_method=method, token=TOKEN,
+                                             trusted_side_channels=HOST), compat())
+        bad = make_client(SideChannelConfig(handshake_method=method, token="nope",
+                                            trusted_side_channels=HOST), compat())
         good.fetch(HOST, server.port, 1)
         with pytest.raises(AuthError):
             bad.fetch(HOST, server.port, 1)

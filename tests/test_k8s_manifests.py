@@ -280,6 +280,7 @@ def test_multinode_instance_is_one_group(role):
         # a decode's ranks handshake with prefills themselves: trust and token on every node
         for node in nodes:
             assert node.token_file == head.token_file is not None
+            assert node.trusted_side_channels == head.trusted_side_channels is not None
             assert node.side_channel_ssl_ca_certs == head.ssl_ca_certs
     for template in (lwt["leaderTemplate"], lwt["workerTemplate"]):  # mounts resolve
         spec = template["spec"]

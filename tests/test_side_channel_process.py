@@ -55,7 +55,8 @@ def full_store(tp_size: int = 2, ranks: int | None = None) -> MetadataStore:
 
 def config(method: str = "http", **kw: object) -> SideChannelConfig:
     return SideChannelConfig.load({"handshake_method": method, "side_channel_host": "127.0.0.1",
-                                   "side_channel_port": 0, **kw}, {})
+                                   "side_channel_port": 0,
+                                   "trusted_side_channels": "127.0.0.1", **kw}, {})
 
 
 @contextmanager

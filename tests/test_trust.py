@@ -356,7 +356,9 @@ def test_rotation_end_to_end_without_restarting_server_or_client(tmp_path):
         environ={}), full_store(1))
     server.start()
     client = make_client(SideChannelConfig.load({"handshake_method": "http",
-                                                 "token_file": str(own)}, environ={}), compat())
+                                                 "token_file": str(own),
+                                                 "trusted_side_channels": HOST},
+                                                environ={}), compat())
     try:
         assert len(client.fetch(HOST, server.port, 0)) == 1
         _write_tokens(accepted, "decode-a:old-token\ndecode-a-next:new-token\n")

@@ -62,7 +62,8 @@ def _config(method: str, certs: Path):
 
     tls = {"ssl_ca_certs": str(certs / "ca.pem")} if method == "https" else {}
     return SideChannelConfig.load(dict(handshake_method="zmq" if method == "zmq" else "http",
-                                       token=TOKEN, handshake_timeout=10.0, **tls), environ={})
+                                       token=TOKEN, handshake_timeout=10.0,
+                                       trusted_side_channels="127.0.0.1", **tls), environ={})
 
 
 def _client(method: str, certs: Path, expected):

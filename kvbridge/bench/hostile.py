@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "mtls": ["--handshake", "http", *tls],
             "zmq": ["--handshake", "zmq"],
             "pin-p": ["--handshake", "http", "--audit-log", str(tmp / "audit.jsonl")],
-            "pin-d": ["--handshake", "http", "--role", "decode"],
+            "pin-d": ["--handshake", "http", "--role", "decode",
+                      "--trusted-side-channels", HOST],
         }
         if args.pinning_only:
             specs = {k: v for k, v in specs.items() if k.startswith("pin-")}

@@ -205,6 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         token.write_text(os.urandom(16).hex())
         token.chmod(0o600)
         side = ["--handshake", args.handshake, "--side-channel-token-file", str(token),
+                "--trusted-side-channels", "127.0.0.1",
                 "--side-channel-port", "0", "--dtype", args.dtype]
         served = [*side, *model.serve_args]
         # Every setup runs at the same time (idle NIXL agents no longer spin a core, see

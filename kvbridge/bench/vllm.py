@@ -114,6 +114,7 @@ def _extra_config(setup: str, side_port: int, certs: Path, token_file: Path
                            "side_channel_host": "127.0.0.1", "side_channel_port": side_port}
     if setup in ("http", "https", "http-unvalidated", "http-busy"):
         cfg["token_file"] = str(token_file)
+        cfg["trusted_side_channels"] = "127.0.0.1"
     if setup == "http-unvalidated":  # the cost of READ validation: http without it
         cfg["read_validation"] = "off"
     if setup == "https":

@@ -32,6 +32,7 @@ from kvbridge.errors import (
     KVBridgeError,
     LoadFailure,
     PeerMismatch,
+    UntrustedSideChannel,
 )
 from kvbridge.handshake import HandshakeClient, make_client
 from kvbridge.metadata import compat_of, encode_rank
@@ -216,7 +217,9 @@ class NixlWorkerConnector:
             if not load.peer.done():
                 return None
             if (exc := load.peer.exception()) is not None:
-                kind = (FailureKind.INVALID_PARAMS if isinstance(exc, PeerMismatch)
+                # Not the peer named, or not one trusted with the token: the request's fault.
+                kind = (FailureKind.INVALID_PARAMS
+                        if isinstance(exc, PeerMismatch | UntrustedSideChannel)
                         else FailureKind.HANDSHAKE)
                 return LoadFailure(kind, f"handshake with {spec.remote_host}:"
                                          f"{spec.remote_port} failed: {exc}")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from kvbridge.config import (
 )
 from kvbridge.errors import ConfigError
 from kvbridge.handshake.audit import AuditLog
+from kvbridge.trust import label_glob
 
 __all__ = ["TOKEN_SCOPES", "AuditLog", "Authorizer", "Decision", "NamedToken", "PeerAllowList",
            "TokenSet", "cert_identities", "parse_tokens", "read_named_tokens"]
@@ -171,19 +171,12 @@ def cert_identities(cert: Any) -> list[str]:
     return out
 
 
-def _glob(pattern: str) -> re.Pattern[str]:
-    """``*`` (any run) and ``?`` (one character) within one label: never a ``.`` or
-    ``/``. Everything else is literal."""
-    parts = {"*": "[^./]*", "?": "[^./]"}
-    return re.compile("".join(parts.get(c) or re.escape(c) for c in pattern), re.DOTALL)
-
-
 class PeerAllowList:
     """Glob patterns a client certificate's CN or a SAN must match."""
 
     def __init__(self, patterns: list[str]):
         self.patterns = patterns
-        self._compiled = [_glob(p) for p in patterns]
+        self._compiled = [label_glob(p) for p in patterns]
 
     @classmethod
     def parse(cls, text: str | None) -> PeerAllowList | None:

@@ -22,6 +22,7 @@ from kvbridge.errors import (
     HandshakeTimeout,
     PeerMismatch,
     RetryableHandshakeError,
+    UntrustedSideChannel,
     WireFormatError,
 )
 from kvbridge.metadata import (
@@ -32,6 +33,7 @@ from kvbridge.metadata import (
     encode_envelope,
     to_jsonable,
 )
+from kvbridge.trust import SideChannelTrust
 
 # Called once per answered request: (route, status, body bytes). How the side channel
 # reports to metrics without knowing about them.
@@ -168,11 +170,15 @@ class HandshakeClient(ABC):
     method: str
 
     def __init__(self, timeout: float, expected: Compat | None, token: str | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
+                 trusted: SideChannelTrust | None = None):
+        """``trusted``: the side channels the token may be presented to (None: any, the
+        caller picks every host; ``make_client`` passes ``trusted_side_channels``)."""
         self.timeout = timeout
         self.expected = expected
         self.token = token
         self.max_message_bytes = max_message_bytes
+        self.trusted = trusted
 
     @abstractmethod
     def _request(self, host: str, port: int, tp_rank: int | None, deadline: float) -> Reply:
@@ -205,6 +211,10 @@ class HandshakeClient(ABC):
         callers that carry another envelope (``PayloadStore``). Retries transport errors
         until ``deadline`` (``time.monotonic()``; default ``timeout`` from now); a refusal
         raises ``AuthError``, ``PeerMismatch`` or ``HandshakeError``."""
+        if self.token and self.trusted is not None and not self.trusted.allows(host, port):
+            raise UntrustedSideChannel(
+                f"{self.method}://{host}:{port} is not a side channel this instance presents "
+                "its token to (trusted_side_channels): not fetched")
         deadline = time.monotonic() + self.timeout if deadline is None else deadline
         delay = 0.02
         while True:

@@ -1,7 +1,8 @@
 """One set of factories: the side channel's servers and clients, for ``kvbridge serve`` and
 the vLLM plug-in alike, so every setting means the same in both (docs/configuration.md):
 connection budgets and keep-alive, token and its rotation, named tokens and their scopes,
-the client-certificate allow-list, the audit log, TLS, ``max_message_bytes``, the registry.
+the client-certificate allow-list, the side channels trusted with the token, the audit log,
+TLS, ``max_message_bytes``, the registry.
 
 What differs is only what the ``zmq`` method speaks: kvbridge's own messages by default,
 or another wire on the same settings (the plug-in's: vLLM's own, ``kvbridge.vllm.wire``),
@@ -30,6 +31,7 @@ from kvbridge.handshake.http_server import HttpHandshakeServer
 from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer
 from kvbridge.metadata import Compat
 from kvbridge.net import bind_error
+from kvbridge.trust import SideChannelTrust
 
 __all__ = ["ZmqServerMaker", "make_client", "make_server", "side_channel"]
 
@@ -104,8 +106,19 @@ def make_client(config: SideChannelConfig, expected: Compat | None,
     client keeps its connection to every peer it fetched from alive, with a request
     every half of ``side_channel_keep_alive_timeout`` at most (the peer's is assumed to be
     the same setting); see ``kvbridge.handshake.http_client``. ``zmq``: the ``zmq``
-    method's client, called as ``zmq(timeout, expected, token, max_message_bytes)``."""
+    method's client, called as ``zmq(timeout, expected, token, max_message_bytes)``.
+
+    The token goes only to the side channels ``trusted_side_channels`` names (none when
+    unset): a fetch from another is refused before connecting (``kvbridge.trust``)."""
     method = method or config.handshake_method
+    client = _client(config, expected, method, keep_warm, zmq)
+    if isinstance(client, HandshakeClient):  # the etcd method sends its token nowhere
+        client.trusted = SideChannelTrust.parse(config.trusted_side_channels)
+    return client
+
+
+def _client(config: SideChannelConfig, expected: Compat | None, method: str, keep_warm: bool,
+            zmq: Callable[..., C]) -> HandshakeClient | C:
     if method == "etcd":
         from kvbridge.handshake.etcd import EtcdHandshakeClient
 

@@ -103,8 +103,11 @@ class HttpHandshakeClient(HandshakeClient):
         self._warmer: threading.Thread | None = None
 
     def _request_bytes(self, host: str, port: int, path: str) -> bytes:
-        """The whole GET, kept per peer, path and token (the token file may rotate)."""
-        token = self.token if self._token_file is None else self._token_file.current()
+        """The whole GET, kept per peer, path and token (the token file may rotate). A
+        keep-warm request carries no token: the liveness route needs none, and a peer
+        warmed on demand has not been checked against ``trusted``."""
+        token = None if path == KEEP_WARM_PATH else (
+            self.token if self._token_file is None else self._token_file.current())
         key = (host, port, path, token)
         request = self._requests.get(key)
         if request is None:

@@ -14,7 +14,7 @@ import ssl
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
@@ -38,7 +38,7 @@ from kvbridge.connector.scheduler import NixlSchedulerConnector
 from kvbridge.connector.worker import NixlWorkerConnectorFactory
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.engine import build_engine
-from kvbridge.errors import KVBridgeError, RequestError
+from kvbridge.errors import ConfigError, KVBridgeError, RequestError
 from kvbridge.guard import PEER_CERT
 from kvbridge.handshake.authz import Authorizer, Decision
 from kvbridge.limits import decode_json_body, read_json_body
@@ -48,6 +48,7 @@ from kvbridge.model.loader import load_config, resolve_dtype
 from kvbridge.server.api import build_app
 from kvbridge.server.responses import error_response
 from kvbridge.settings import ROLES
+from kvbridge.trust import parse_trusted
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,14 @@ class Instance:
     """Builds and owns everything one ``kvbridge serve`` runs."""
 
     def __init__(self, opts: InstanceOptions):
+        opts = replace(opts, side_channel=_trusting(opts.side_channel, opts.kv_peers))
         self.opts = opts
+        if (opts.role in ("decode", "both") and opts.side_channel.token
+                and not opts.side_channel.trusted_side_channels):
+            log.warning("a side-channel token is set but trusted_side_channels is not: this "
+                        "decode presents its token to no side channel, so every handshake "
+                        "is refused (set --trusted-side-channels to the prefills' side "
+                        "channels)")
         self.engine_id = opts.engine_id or uuid.uuid4().hex
         self.epoch = uuid.uuid4().hex  # new on every start: peers notice restarts
         cfg = load_config(opts.model)
@@ -303,6 +311,18 @@ class Instance:
         self.connector.close()
         self.engine.shutdown()
         self._authz.close()
+
+
+def _trusting(side: SideChannelConfig, kv_peers: list[str]) -> SideChannelConfig:
+    """``side`` with the side channels of ``kv_peers`` trusted with the token too: peers
+    named in this instance's own settings."""
+    if not kv_peers:
+        return side
+    trusted = ",".join(p for p in (side.trusted_side_channels, *kv_peers) if p)
+    try:
+        return replace(side, trusted_side_channels=parse_trusted(trusted))
+    except ValueError as e:
+        raise ConfigError(f"--kv-peer: {e}") from None
 
 
 def _block_bytes(cfg, opts: InstanceOptions) -> int:

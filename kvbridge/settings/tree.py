@@ -19,6 +19,7 @@ from kvbridge.settings.core import (
     Setting,
     Tree,
 )
+from kvbridge.trust import parse_trusted
 
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED,
               "0": ssl.CERT_NONE, "1": ssl.CERT_OPTIONAL, "2": ssl.CERT_REQUIRED}
@@ -132,6 +133,17 @@ SETTINGS = Tree([
         "certificates too); another valid certificate of the same CA, or none, gets 403.",
         "KVBRIDGE_SSL_ALLOWED_PEERS",
         flag="--side-channel-ssl-allowed-peers", rule="needs `ssl_cert_reqs=required`"),
+    _sc("trusted_side_channels", parse_trusted, None,
+        "Comma-separated `HOST` or `HOST:PORT` patterns (`prefill-*.kv.internal`, "
+        "`10.0.0.5:5600`, `[fd00::1]:5600`; `*` and `?` stay within one DNS label, `*` alone "
+        "is any host): the side channels this instance presents its token to. A fetch with "
+        "a token from any other side channel (one a request's `kv_transfer_params` or a "
+        "`/v1/kv/prewarm` call names) is refused before connecting, so whoever can name a "
+        "host cannot collect the token. Unset: none (a `kvbridge serve --kv-peer` is "
+        "trusted too). Without a token it has no effect.",
+        "KVBRIDGE_TRUSTED_SIDE_CHANNELS", flag="--trusted-side-channels",
+        rule="`HOST` or `HOST:PORT` each, an IPv6 address in brackets before a port, a port "
+        "in 1-65535"),
     _sc("audit_log", str, None,
         "File to append one JSON line to per metadata fetch and refusal (`http` side "
         "channel) and per release or refused call of the KV routes: `time`, `peer`, `cert`, "

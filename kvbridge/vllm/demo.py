@@ -81,6 +81,7 @@ def run_vllm_demo(questions: list[str] | None = None, max_tokens: int = 32) -> i
     with tempfile.TemporaryDirectory(prefix="kvbridge-demo-vllm-") as t:
         tmp = _certs(Path(t))
         side = {"handshake_method": "http", "token_file": str(tmp / "token"),
+                "trusted_side_channels": "127.0.0.1",
                 "ssl_certfile": str(tmp / "server.pem"), "ssl_keyfile": str(tmp / "server.key"),
                 "ssl_ca_certs": str(tmp / "ca.pem")}
         servers: dict[str, VllmServer] = {}

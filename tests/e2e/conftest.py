@@ -22,6 +22,9 @@ PROMPTS = [
     "short",
 ]
 MAX_TOKENS = 10
+# Every engine here is on loopback: a decode presents its token to those side channels
+# (a test of the setting itself passes its own value in ``env``).
+TRUST_LOOPBACK = {"KVBRIDGE_TRUSTED_SIDE_CHANNELS": "127.0.0.1,localhost"}
 
 
 
@@ -39,7 +42,8 @@ class Serve(KVBridgeProcess):
                      str(tls / "prefill.key"), "--ssl-ca-certs", str(tls / "ca.pem")])
         super().__init__(name, log_dir, "serve", "--port", str(self.port), "--dtype", "float64",
                          *tls_args, *args,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                         env={**os.environ, "PYTHONPATH": str(ROOT), **TRUST_LOOPBACK,
+                              **(env or {})})
 
     def wait_ready(self, deadline: float) -> None:
         self.wait_healthy(self.url + "/health", deadline, self.verify)

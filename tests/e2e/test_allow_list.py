@@ -20,13 +20,15 @@ import pytest
 from kvbridge.config import TLSConfig
 from kvbridge.errors import HandshakeError
 from kvbridge.handshake.http_client import HttpHandshakeClient
+from kvbridge.launch import free_port
 from kvbridge.server.proxy import build_proxy_app
 from kvbridge.testing.api_server import BackgroundServer
 from kvbridge.testing.certs import issue, new_ca
 from tests.e2e.conftest import PROMPTS, Serve
-from tests.helpers import compat, wait_until
+from tests.helpers import RogueSideChannel, compat, wait_until
 
 ALLOWED = "decode-*.kv.internal,proxy.kv.internal"
+TRUSTED = "KVBRIDGE_TRUSTED_SIDE_CHANNELS"
 LONG = "A long prompt fills many blocks of the prefill's KV cache, on purpose. " * 14
 
 
@@ -45,6 +47,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     issue(ca, d, "prefill", "127.0.0.1", "decode-a.kv.internal")
     issue(ca, d, "proxy", "proxy.kv.internal")
     issue(ca, d, "intruder", "intruder.kv.internal")
+    # a server of the attacker's with a certificate of the same CA for the host it names
+    issue(ca, d, "rogue", "127.0.0.1")
     _secret(d / "tokens", "# the proxy releases and prewarms; the decode reads metadata\n"
                           "proxy[release,prewarm]:tok-proxy\ndecode-a[metadata]:tok-decode\n")
     _secret(d / "decode-token", "tok-decode\n")
@@ -61,13 +65,16 @@ def _ctx(pki: Path, name: str) -> ssl.SSLContext:
 def pair(pki: Path, serve_log_dir: Path) -> Iterator[dict[str, Serve]]:
     trust = ("--ssl-cert-reqs", "required", "--side-channel-ssl-allowed-peers", ALLOWED,
              "--side-channel-tokens-file", str(pki / "tokens"), "--handshake", "http",
-             "--side-channel-port", "0", "--handshake-timeout", "5")
-    specs = {"al-prefill": (("--role", "prefill", *trust, "--audit-log",
-                             str(pki / "audit.jsonl")), pki),
-             "al-decode": (("--role", "decode", *trust, "--side-channel-token-file",
-                            str(pki / "decode-token")), pki)}
-    procs = {name: Serve(name, serve_log_dir, *args, tls=tls)
-             for name, (args, tls) in specs.items()}
+             "--handshake-timeout", "5")
+    side_port = free_port()
+    procs = {"al-prefill": Serve("al-prefill", serve_log_dir, "--role", "prefill", *trust,
+                                 "--side-channel-port", str(side_port), "--audit-log",
+                                 str(pki / "audit.jsonl"), tls=pki),
+             # the decode presents its token to the prefill's side channel only
+             "al-decode": Serve("al-decode", serve_log_dir, "--role", "decode", *trust,
+                                "--side-channel-port", "0", "--side-channel-token-file",
+                                str(pki / "decode-token"), tls=pki,
+                                env={TRUSTED: f"127.0.0.1:{side_port}"})}
     try:
         deadline = time.monotonic() + 180
         for p in procs.values():
@@ -170,3 +177,44 @@ def test_a_release_with_a_wrong_key_is_audited_apart_from_not_held(pki, pair):
              (pki / "audit.jsonl").read_text().splitlines()]
     assert audit[-4:] == [f"wrong key {rid}", "not held never-held", f"released {rid}",
                           f"not held {rid}"]
+
+
+# -- the token-scope detour: a decode presents its token only to side channels it trusts --
+
+@pytest.fixture
+def rogue(pki: Path) -> Iterator[RogueSideChannel]:
+    with RogueSideChannel(pki / "rogue.pem", pki / "rogue.key") as server:
+        yield server
+
+
+def test_the_proxys_token_cannot_make_the_decode_present_its_token_elsewhere(pki, pair, rogue):
+    """The proxy's token may prewarm: a prewarm naming the attacker's side channel (a
+    certificate of the same CA for the host it names) is refused, and the attacker never
+    sees the decode's metadata-scoped token."""
+    d = pair["al-decode"]
+    r = httpx.post(d.url + "/v1/kv/prewarm", verify=_ctx(pki, "proxy"), timeout=60,
+                   headers={"authorization": "Bearer tok-proxy"},
+                   json={"host": "127.0.0.1", "port": rogue.port, "wait": True})
+    assert rogue.authorizations == []
+    assert r.status_code == 502 and "trusted_side_channels" in r.json()["error"]["message"], (
+        r.text)
+
+
+def test_a_completion_naming_another_side_channel_does_not_get_the_token(pki, pair, rogue):
+    """A completion sent straight to the decode, its kv_transfer_params naming the
+    attacker's side channel: a 400 (never recomputed, as for params naming another
+    engine), the token kept."""
+    p, d = pair["al-prefill"], pair["al-decode"]
+    r = httpx.post(p.url + "/v1/completions", verify=p.verify, timeout=60, json={
+        "model": "kvbridge-tiny", "prompt": PROMPTS[2], "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200, r.text
+    # an engine the decode has not handshaken with (a known one's peer would be reused)
+    params = {**r.json()["kv_transfer_params"], "remote_engine_id": "attackers-engine",
+              "remote_host": "127.0.0.1", "remote_port": rogue.port}
+    r = httpx.post(d.url + "/v1/completions", verify=d.verify, timeout=60, json={
+        "model": "kvbridge-tiny", "prompt": PROMPTS[2], "max_tokens": 2, "temperature": 0,
+        "kv_transfer_params": params})
+    assert rogue.authorizations == []
+    assert r.status_code == 400 and "trusted_side_channels" in r.json()["error"]["message"], (
+        r.text)

@@ -85,11 +85,13 @@ class Cluster:
                                "--num-blocks", str(DECODE_BLOCKS), "--handshake", "zmq",
                                "--side-channel-host", c.addr,
                                "--side-channel-ssl-ca-certs", str(tls / "ca.pem"),
-                               "--side-channel-token-file", str(tls / "token"))
+                               "--side-channel-token-file", str(tls / "token"),
+                               "--trusted-side-channels", "198.18.0.*")
         decode_common = ["serve", "--role", "decode", "--dtype", "float64",
                          "--num-blocks", str(DECODE_BLOCKS), "--handshake", "zmq",
                          "--side-channel-ssl-ca-certs", str(tls / "ca.pem"),
-                         "--side-channel-token-file", str(tls / "token")]
+                         "--side-channel-token-file", str(tls / "token"),
+                         "--trusted-side-channels", "198.18.0.*"]
         self.procs["c1"] = Proc(c, "decode-tp1", self.logs, *decode_common, "--tp", "1",
                                 "--host", c.addr, "--port", "8001", "--side-channel-host", c.addr)
         # A TP 4 decode across hosts c and d (two ranks each); d has its own copies of the

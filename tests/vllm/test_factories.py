@@ -152,6 +152,9 @@ CASES: dict[str, Case] = {
     "ssl_allowed_peers": Case({**TLS, "ssl_allowed_peers": "decode-*.kv.internal"},
                               lambda b, f: b.server._authz.allowed.patterns,
                               ["decode-*.kv.internal"]),
+    "trusted_side_channels": Case({"trusted_side_channels": "prefill-*.kv.internal:5600"},
+                                  lambda b, f: b.client.trusted.patterns,
+                                  ["prefill-*.kv.internal:5600"]),
     "audit_log": Case({"audit_log": "{audit_log}"},
                       lambda b, f: b.server._authz.audit._file.name, "{audit_log}"),
     # the servers' keep-alive, and the period a (long-lived) client keeps peers warm at

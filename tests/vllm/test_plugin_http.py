@@ -48,7 +48,8 @@ def _https(certs: Path, name: str, token_file: str) -> dict[str, str]:
     """One instance's side channel: https, client certificates required, a token."""
     return {"handshake_method": "http", "ssl_certfile": str(certs / f"{name}.pem"),
             "ssl_keyfile": str(certs / f"{name}.key"), "ssl_ca_certs": str(certs / "ca.pem"),
-            "ssl_cert_reqs": "required", "token_file": token_file}
+            "ssl_cert_reqs": "required", "token_file": token_file,
+            "trusted_side_channels": "127.0.0.1"}
 
 
 @pytest.fixture(scope="module")
