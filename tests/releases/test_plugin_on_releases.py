@@ -29,7 +29,8 @@ def prompt(seed: int, n: int = 100) -> list[int]:
 def https(certs: Path, name: str, token_file: Path) -> dict[str, Any]:
     return {"handshake_method": "http", "ssl_certfile": str(certs / f"{name}.pem"),
             "ssl_keyfile": str(certs / f"{name}.key"), "ssl_ca_certs": str(certs / "ca.pem"),
-            "ssl_cert_reqs": "required", "token_file": str(token_file)}
+            "ssl_cert_reqs": "required", "token_file": str(token_file),
+            "trusted_side_channels": "127.0.0.1"}
 
 
 @pytest.fixture(scope="module")
