@@ -160,6 +160,14 @@ class _Pending:
     expected: list[int]
 
 
+def _descs(base: int, n: int) -> np.ndarray:
+    """NIXL descriptors (address, length, device) of ``n`` consecutive 8-byte tags."""
+    out = np.zeros((n, 3), dtype=np.uint64)
+    out[:, 0] = base + 8 * np.arange(n, dtype=np.uint64)
+    out[:, 1] = 8
+    return out
+
+
 class ReadValidator:
     """One worker's tags and its validating READs (see the module's docstring)."""
 
@@ -193,9 +201,8 @@ class ReadValidator:
                 [(arr.ctypes.data, arr.nbytes, 0, "")], mem_type="DRAM",
                 backends=self.backends))
         base = self.scratch.ctypes.data
-        descs = np.array([(base + 8 * i, 8, 0) for i in range(self.scratch.size)],
-                         dtype=np.uint64)
-        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, "DRAM")
+        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT",
+                                                 _descs(base, self.scratch.size), "DRAM")
 
     def advertise(self, agent_metadata_bytes: bytes) -> bytes:
         """vLLM's encoded ``NixlAgentMetadata`` with this worker's tag fields added."""
@@ -224,8 +231,7 @@ class ReadValidator:
         info = _tag_info.decode(agent_metadata_bytes)
         if not info.kvbridge_tags_addr or info.kvbridge_tags_block_size <= 0:
             return  # no tags: a stock vLLM
-        descs = np.array([(info.kvbridge_tags_addr + 8 * i, 8, 0)
-                          for i in range(info.kvbridge_tags_blocks)], dtype=np.uint64)
+        descs = _descs(info.kvbridge_tags_addr, info.kvbridge_tags_blocks)
         self._peers[(engine_id, rank)] = _Peer(
             agent, self.agent.prep_xfer_dlist(agent, descs, "DRAM"), info.kvbridge_tags_blocks,
             info.kvbridge_tags_block_size)
