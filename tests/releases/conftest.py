@@ -76,6 +76,10 @@ class Node:
         self.send(op, **kwargs)
         return self.answer()
 
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
     def log_tail(self, lines: int = 40) -> str:
         self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -98,10 +102,12 @@ class Node:
         self._log.close()
 
 
-def start_nodes(release: str, log_dir: Path, specs: dict[str, dict[str, Any]]
-                ) -> dict[str, Node]:
-    """Start every node at once (imports run in parallel), then wait for each."""
-    nodes = {name: Node(release, name, log_dir) for name in specs}
+def start_nodes(release: str | dict[str, str], log_dir: Path,
+                specs: dict[str, dict[str, Any]]) -> dict[str, Node]:
+    """Start every node at once (imports run in parallel), then wait for each.
+    ``release``: every node's, or each node's by name."""
+    nodes = {name: Node(release if isinstance(release, str) else release[name], name, log_dir)
+             for name in specs}
     try:
         for name, spec in specs.items():
             nodes[name].send("start", **spec)
