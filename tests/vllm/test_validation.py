@@ -1,9 +1,10 @@
 """No silently wrong answer inside vLLM: the plug-in validates every READ (block tags,
 kvbridge.vllm.validation) in real vLLM.
 
-Two plug-in servers for the module: a prefill with a small KV cache (24 blocks of 32 tokens,
-so released blocks are soon reused) and a 6 s lease, and a decode whose
-``kv_load_failure_policy`` is ``recompute``. Each test hands the decode ``kv_transfer_params``
+Three plug-in servers for the module: a prefill with a small KV cache (24 blocks of 32
+tokens, so released blocks are soon reused) and a 6 s lease, and two decodes whose
+``kv_load_failure_policy`` is ``recompute``: one with the prefill's block size, one with
+vLLM's default (prefills and decodes are often tuned apart). Each test hands the decode ``kv_transfer_params``
 that point at the wrong KV (blocks released and reused, reordered block ids, another
 prompt's blocks): stock vLLM answers those with a 200 and another prompt's text; here the
 answer equals the decode's own (computed without any transfer), and
@@ -15,8 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from kvbridge.testing.prometheus import labelled_total, parse_samples
 from kvbridge.vllm.launch import VllmServer, completion, decode, prefill
 from tests.helpers import wait_until
 from tests.vllm.conftest import (
@@ -40,8 +43,8 @@ A = ("Question: What is the capital of France, and which river flows through it?
 
 
 @pytest.fixture(scope="module")
-def servers(model: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[VllmServer, VllmServer]]:
+def all_servers(model: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[tuple[VllmServer, VllmServer, VllmServer]]:
     d = tmp_path_factory.mktemp("vllm-validation")
     p = VllmServer.start(model, name="prefill", core=0, log_dir=d, max_model_len=MAX_LEN,
                          extra_config={"handshake_method": "http",
@@ -50,8 +53,24 @@ def servers(model: Path, tmp_path_factory: pytest.TempPathFactory
     dec = VllmServer.start(model, name="decode", core=1, log_dir=d, max_model_len=MAX_LEN,
                            extra_config={"handshake_method": "http", "side_channel_port": 0},
                            extra_args=SMALL, kv_load_failure_policy="recompute")
-    with running(p, dec):
-        yield p, dec
+    other = VllmServer.start(model, name="decode-default-block-size", core=1, log_dir=d,
+                             max_model_len=MAX_LEN,
+                             extra_config={"handshake_method": "http", "side_channel_port": 0},
+                             extra_args=["--no-enable-prefix-caching"],
+                             kv_load_failure_policy="recompute")
+    with running(p, dec, other):
+        yield p, dec, other
+
+
+@pytest.fixture
+def servers(all_servers) -> tuple[VllmServer, VllmServer]:
+    """The prefill and the decode of the same block size."""
+    return all_servers[0], all_servers[1]
+
+
+def notes_ignored(server: VllmServer, why: str) -> float:
+    samples = parse_samples(httpx.get(f"{server.url}/metrics", timeout=60).text)
+    return labelled_total(samples, "vllm:kvbridge_notes_ignored_total", why=why)
 
 
 def _decoded(d: VllmServer, prompt: str, params: dict) -> str:
@@ -70,8 +89,9 @@ def _stale_read(d: VllmServer, prompt: str, params: dict) -> None:
                'vllm:kvbridge_kv_reads{result="stale"} counts the READ')
 
 
-def test_a_valid_read_is_validated_and_used(servers):
-    p, d = servers
+@pytest.mark.parametrize("decode_index", [1, 2], ids=["same-block-size", "default-block-size"])
+def test_a_valid_read_is_validated_and_used(all_servers, decode_index):
+    p, d = all_servers[0], all_servers[decode_index]
     expected = answer(d, A)
     assert expected.strip()
     validated, bytes_before = kv_reads(d, "validated"), nixl_bytes(d)
@@ -82,9 +102,12 @@ def test_a_valid_read_is_validated_and_used(servers):
     assert kv_reads(d, "stale") == 0
 
 
-def test_blocks_released_after_the_lease_and_reused_are_recomputed(servers):
-    """The issue's repro: stock vLLM answers it with another prompt's text."""
-    p, d = servers
+@pytest.mark.parametrize("decode_index", [1, 2], ids=["same-block-size", "default-block-size"])
+def test_blocks_released_after_the_lease_and_reused_are_recomputed(all_servers, decode_index):
+    """The issue's repro: stock vLLM answers it with another prompt's text. With the
+    decode's block size other than the prefill's, the plug-in once dropped the prefill's
+    tags and served the reused blocks (a 200 with another prompt's text)."""
+    p, d = all_servers[0], all_servers[decode_index]
     params = prefill(p.url, A, REQUEST_TIMEOUT)
     expired = f"Releasing expired KV blocks for request {params['remote_request_id']}"
     wait_until(lambda: expired in p.log_text(), 60, "the prefill's lease runs out")
@@ -171,4 +194,22 @@ def test_a_forged_read_done_note_without_the_holds_key_releases_nothing(servers)
                60, "the hold outlives the forged note and expires with its lease", message=seen)
     assert "released nothing" in p.log_text()
     assert params.get("kvbridge_hold_key")  # the capability, for whoever decodes
+    del forger
+
+
+def test_a_malformed_note_is_dropped_and_the_prefill_keeps_serving(servers):
+    """vLLM parses notes in its engine step: one that does not parse raised there and took
+    the engine (and its API server) down. The plug-in drops it and counts it."""
+    p, d = servers
+    forger, prefill_agent = _forger(p)
+    _wired(p, forger, prefill_agent)
+    before = notes_ignored(p, "malformed")
+    prefill(p.url, A, REQUEST_TIMEOUT)  # a hold keeps the engine stepping: notes are read
+    for note in (b"garbage-without-colon", b"x:notanumber", b"\xff\xfe:1"):
+        forger.send_notif(prefill_agent, notif_msg=note)
+    wait_until(lambda: notes_ignored(p, "malformed") == before + 3, 60,
+               "the prefill counts the three malformed notes")
+    expected = answer(d, A)
+    assert _decoded(d, A, prefill(p.url, A, REQUEST_TIMEOUT)) == expected
+    assert "malformed NIXL note" in p.log_text()
     del forger
