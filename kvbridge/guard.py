@@ -15,7 +15,9 @@ The guard wraps uvicorn's HTTP protocol and adds, per connection and per server:
   incomplete. Connections serving a request are never evicted.
 
 It also bounds the TLS handshake (``GuardedServer``) and gives the heap back after bursts
-of closed connections (``_Trimmer``).
+of closed connections (``_Trimmer``). The protocol it wraps is ``kvbridge.bounded_http``'s
+(``guarded_config``; the side channel's is a subclass): reading stops while the client
+leaves answers unread or requests wait behind one in progress.
 
     budget = ConnectionBudget.load()  # kvbridge/settings: flags, environment, defaults
     uvicorn.Config(app, http=guarded_protocol(HttpToolsProtocol, budget, "api"),
@@ -350,11 +352,11 @@ def guarded_protocol(base: type, budget: ConnectionBudget, name: str) -> type:
 def guarded_config(name: str, budget: ConnectionBudget | None = None) -> dict[str, Any]:
     """uvicorn ``Config`` keywords for a server under ``budget`` (default: the tree's, from
     the environment): its guarded httptools protocol and keep-alive timeout."""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from kvbridge.bounded_http import BoundedHttpTools
 
     budget = budget or ConnectionBudget.load()
     return {
-        "http": guarded_protocol(HttpToolsProtocol, budget, name),
+        "http": guarded_protocol(BoundedHttpTools, budget, name),
         "timeout_keep_alive": budget.keep_alive_timeout,
     }
 

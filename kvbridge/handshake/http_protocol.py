@@ -14,7 +14,10 @@ answered) and the connection closed.
 A request ``responder`` can answer (``kvbridge.handshake.http_fast``: a handshake, the
 probes) is answered here, from the parsed head, without an ASGI task; any other goes to the
 app as before. Requests answered in order: one waits behind an app request still running
-on its connection (HTTP pipelining) by going to the app too.
+on its connection (HTTP pipelining) by going to the app too. So does one that arrives
+while writes are paused (the client has not read 64 KiB of answers): the app's answer
+waits until they are read, and reading stops meanwhile (``kvbridge.bounded_http``), so
+a client that pipelines requests and never reads the answers holds at most that much.
 
 A refused connection lingers before it closes: closed with the client's bytes still
 arriving, it would be reset, and the client might never read the answer. What it sends
@@ -25,8 +28,7 @@ from __future__ import annotations
 
 import json
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
+from kvbridge.bounded_http import BoundedHttpTools
 from kvbridge.errors import error_body
 from kvbridge.guard import PEER_CERT
 from kvbridge.handshake.base import MAX_REQUEST_BYTES
@@ -45,7 +47,7 @@ LINGER_SECONDS = 1.0
 _431 = _reply(b"431 Request Header Fields Too Large", "request head is too long")
 _413 = _reply(b"413 Content Too Large", "request body too large")
 
-class HeadLimitedHttpTools(HttpToolsProtocol):
+class HeadLimitedHttpTools(BoundedHttpTools):
     """Refuses a request head over ``head_limit`` bytes: counted as parsed (request target
     and headers, for heads that arrive whole) and as received while the head is still
     incomplete (for heads that trickle in, which the parser buffers). Refuses a body over
@@ -127,7 +129,10 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
             return
         cert = self.scope[PEER_CERT] = self._peer_cert()  # type: ignore[literal-required]
         idle = self.cycle is None or self.cycle.response_complete
-        if self.responder is not None and idle and not self.parser.should_upgrade():
+        # While the client leaves answers unread (writes paused), the app answers: it
+        # waits for them to be read first.
+        if (self.responder is not None and idle and not self.flow.write_paused
+                and not self.parser.should_upgrade()):
             answer = self.responder(self.parser.get_method(), self.url, self.headers, cert,
                                     self.client)
             if answer is not None:
