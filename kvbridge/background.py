@@ -4,7 +4,8 @@
 expects (etcd unreachable, say) itself; anything else it raises is logged once with its
 cause (the traceback of the first failure of a streak; later identical ones at debug
 level), and the loop is started again after a backoff (0.1 s doubling to 30 s, back to
-0.1 s once a run lasted a minute). While it waits to restart, the thread is *down*:
+0.1 s once a run lasted a minute). While it waits to restart, or while its ``liveness``
+says what it keeps going does not answer, the thread is *down*:
 ``down()`` names it and why, ``/health`` of the process answers 503 saying so, and the
 metrics ``kvbridge_background_thread_up`` and ``kvbridge_background_thread_restarts_total``
 show it.
@@ -41,14 +42,20 @@ class Supervised:
     raises, until ``stop`` is set (then a return or an exception ends it for good).
 
     ``loop`` returning normally while ``stop`` is not set ends the thread too (a one-shot
-    job that finished)."""
+    job that finished).
 
-    def __init__(self, name: str, loop: Callable[[], None], stop: threading.Event):
+    ``liveness``, if given, says while the thread runs why what it keeps going is down
+    anyway (a process it supervises starting, or not answering): the thread counts as
+    down then too."""
+
+    def __init__(self, name: str, loop: Callable[[], None], stop: threading.Event,
+                 liveness: Callable[[], str | None] | None = None):
         self.name = name
         self._loop = loop
         self._stop = stop
+        self._liveness = liveness
         self.restarts = 0
-        self.down_reason: str | None = None  # set while waiting to restart
+        self._failed: str | None = None  # set while waiting to restart
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         _THREADS.add(self)
 
@@ -62,6 +69,16 @@ class Supervised:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def down_reason(self) -> str | None:
+        """Why it is down (None: up): its failure while it waits to restart, else what
+        ``liveness`` says while it runs."""
+        if self._failed is not None:
+            return self._failed
+        if self._liveness is None or not self.is_alive() or self._stop.is_set():
+            return None
+        return self._liveness()
 
     @property
     def up(self) -> bool:
@@ -85,15 +102,15 @@ class Supervised:
                 else:
                     log.debug("background thread %s failed again: %s", self.name, cause)
                 last_cause = cause
-                self.down_reason = cause[:300]
+                self._failed = cause[:300]
             if time.monotonic() - started >= HEALTHY_RUN:
                 delay = MIN_BACKOFF
             if self._stop.wait(delay):
-                self.down_reason = None
+                self._failed = None
                 return
             delay = min(delay * 2, MAX_BACKOFF)
             self.restarts += 1
-            self.down_reason = None
+            self._failed = None
 
 
 def down() -> dict[str, str]:

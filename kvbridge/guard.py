@@ -12,13 +12,18 @@ The guard wraps uvicorn's HTTP protocol and adds, per connection and per server:
 * the keep-alive timeout between requests (uvicorn's own timer, set from the budget);
 * a cap on connections: at the cap, the connection idle the longest is closed to make
   room for the new one; if none is idle, the oldest whose request head or body is still
-  incomplete. Connections serving a request are never evicted.
+  incomplete. Connections serving a request are never evicted;
+* a cap on each request head, in bytes and in header lines (``max_head_bytes``,
+  ``max_headers``): 431, counted as the head arrives.
 
 It also bounds the TLS handshake (``GuardedServer``) and gives the heap back after bursts
-of closed connections (``_Trimmer``).
+of closed connections (``_Trimmer``). The protocol it wraps is ``kvbridge.bounded_http``'s
+(or a subclass: the side channel's), which enforces the head cap and stops reading while
+the client leaves answers unread or requests wait behind one in progress.
 
     budget = ConnectionBudget.load()  # kvbridge/settings: flags, environment, defaults
-    uvicorn.Config(app, http=guarded_protocol(HttpToolsProtocol, budget, "api"),
+    uvicorn.Config(app, **guarded_config("api", budget))  # or, for a protocol of one's own:
+    uvicorn.Config(app, http=guarded_protocol(BoundedHttpTools, budget, "api"),
                    timeout_keep_alive=budget.keep_alive_timeout)
 """
 
@@ -36,6 +41,7 @@ from typing import Any
 
 import uvicorn
 
+from kvbridge.bounded_http import BoundedHttpTools
 from kvbridge.settings import ConnectionBudget
 
 __all__ = [
@@ -225,7 +231,7 @@ PEER_CERT = "kvbridge.peer_cert"
 
 
 class _GuardMixin:
-    """Goes before uvicorn's ``HttpToolsProtocol`` (or a subclass) in the bases."""
+    """Goes before ``BoundedHttpTools`` (or a subclass) in the bases."""
 
     guard: ConnectionGuard
     # provided by the uvicorn protocol
@@ -339,22 +345,26 @@ class _GuardMixin:
         self.transport.abort()
 
 
-def guarded_protocol(base: type, budget: ConnectionBudget, name: str) -> type:
-    """A subclass of the uvicorn HTTP protocol ``base`` with its own ``ConnectionGuard``
-    (one per server: pass it as uvicorn's ``http``). The guard is the class's ``guard``."""
-    return type(
-        f"Guarded{base.__name__}", (_GuardMixin, base), {"guard": ConnectionGuard(budget, name)}
-    )
+def guarded_protocol(base: type[BoundedHttpTools], budget: ConnectionBudget,
+                     name: str) -> type:
+    """A subclass of ``base`` (``BoundedHttpTools`` or a subclass) with its own
+    ``ConnectionGuard`` (one per server: pass it as uvicorn's ``http``) and the budget's
+    request-head caps (bytes at most ``base.head_ceiling``). The guard is the class's
+    ``guard``."""
+    head = budget.max_head_bytes
+    if base.head_ceiling is not None:
+        head = min(head, base.head_ceiling)
+    return type(f"Guarded{base.__name__}", (_GuardMixin, base), {
+        "guard": ConnectionGuard(budget, name), "head_limit": head,
+        "header_limit": budget.max_headers})
 
 
 def guarded_config(name: str, budget: ConnectionBudget | None = None) -> dict[str, Any]:
     """uvicorn ``Config`` keywords for a server under ``budget`` (default: the tree's, from
     the environment): its guarded httptools protocol and keep-alive timeout."""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
     budget = budget or ConnectionBudget.load()
     return {
-        "http": guarded_protocol(HttpToolsProtocol, budget, name),
+        "http": guarded_protocol(BoundedHttpTools, budget, name),
         "timeout_keep_alive": budget.keep_alive_timeout,
     }
 

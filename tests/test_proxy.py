@@ -864,3 +864,27 @@ def test_the_first_token_waits_for_the_decode_when_the_prefill_cannot_stand_in(
         r = client.post("/v1/completions", json={"prompt": "x", **body})
         assert r.status_code == 200, r.text
     assert "sent_token_ids" not in decode.calls[0]["body"]["kv_transfer_params"]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), [
+    ("POST", "/v1/completions", {"model": "m", "prompt": "Hello", "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"model": "m", "max_tokens": 2,
+                                      "messages": [{"role": "user", "content": "hi"}]}),
+    ("GET", "/v1/models", None)])
+def test_an_authorization_header_that_is_not_ascii_is_a_400(
+    pd: tuple[httpx.Client, FakeEngine, FakeEngine], caplog: pytest.LogCaptureFixture,
+    method: str, path: str, body: dict | None,
+) -> None:
+    """A Latin-1 byte in the client's ``Authorization`` (which the proxy passes on to the
+    engines) is refused as an invalid header: 400 naming it, no engine called, no
+    traceback; the proxy goes on serving."""
+    client, prefill, decode = pd
+    with caplog.at_level(logging.WARNING):
+        r = client.request(method, path, json=body, headers={"authorization": b"Bearer caf\xe9"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "Authorization" in error["message"]
+    assert not prefill.calls and not decode.calls
+    assert not [rec for rec in caplog.records if rec.exc_info], caplog.text
+    ok = client.request(method, path, json=body, headers={"authorization": "Bearer sk-test"})
+    assert ok.status_code == 200, ok.text

@@ -34,7 +34,7 @@ from kvbridge.errors import AuthError, ConfigError
 from kvbridge.guard import ConnectionBudget, GuardCollector
 from kvbridge.handshake import MetadataStore, make_client, side_channel
 from kvbridge.handshake.payloads import PayloadStore
-from kvbridge.handshake.process import SideChannelProcess
+from kvbridge.handshake.process import LIVENESS_TIMEOUT, SideChannelProcess
 from kvbridge.net import listen_socket
 from kvbridge.testing.procfs import gone, status_field
 from kvbridge.testing.wait import wait_until
@@ -230,14 +230,62 @@ def test_a_killed_child_is_restarted_and_seen_down_meanwhile() -> None:
         assert first is not None and server.problem is None
         os.kill(first, signal.SIGKILL)
         # down: the instance's /health names it (background.down), until the restart
-        reason = wait_until(lambda: background.down().get("kvbridge-side-channel"), 10,
-                            "the side channel seen down")
+        reason = wait_until(lambda: "exited" in (r := background.down().get(
+            "kvbridge-side-channel", "")) and r, 10, "the side channel seen down")
         assert f"process {first} exited with signal 9" in reason
         wait_until(lambda: server.problem is None and server.pid not in (None, first), 10,
                    "a new child serving")
         assert server.restarts == 1
         assert get(server.port, "/v1/kv/handshake")[0] == 200
         assert "kvbridge-side-channel" not in background.down()
+
+
+def _side_channel_down() -> str | None:
+    return background.down().get("kvbridge-side-channel")
+
+
+def test_a_stopped_child_is_down_until_it_answers_again() -> None:
+    """The instance's side channel is pinged over the control socket: a child that stops
+    answering (SIGSTOP here; hung or flooded alike) is down once it missed
+    LIVENESS_TIMEOUT of pings, and up again once it answers."""
+    with running(side_channel(config(), full_store(2), health=lambda: None)) as server:
+        assert _side_channel_down() is None and get(server.port, "/readyz")[0] == 200
+        pid = server.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            reason = wait_until(_side_channel_down, LIVENESS_TIMEOUT + 10,
+                                "the stopped side channel seen down")
+            assert f"side-channel process {pid} not answering" in reason
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: _side_channel_down() is None, 10, "up again once it answers",
+                   message=_side_channel_down)
+        assert server.pid == pid and server.restarts == 0
+        assert get(server.port, "/readyz")[0] == 200
+
+
+def test_a_restarted_child_is_down_until_it_serves() -> None:
+    """While a new child starts (here stopped before it could say it serves) the side
+    channel is down, not only while the supervisor waits to start it."""
+    with running(side_channel(config(), full_store(2), health=lambda: None)) as server:
+        first = server.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        second = wait_until(lambda: (p := server._proc) is not None and p.pid != first
+                            and p.pid, 10, "a new child started")
+        os.kill(second, signal.SIGSTOP)
+        try:
+            # starting (or, had it served before it stopped, not answering): down either way
+            reason = wait_until(lambda: (r := _side_channel_down()) and "exited" not in r
+                                and r, LIVENESS_TIMEOUT + 10, "the new child seen down")
+            assert str(second) in reason and ("starting" in reason or "not answering" in reason)
+            assert server.problem is not None
+        finally:
+            os.kill(second, signal.SIGCONT)
+        wait_until(lambda: _side_channel_down() is None and server.problem is None, 20,
+                   "up once the new child serves", message=_side_channel_down)
+        assert get(server.port, "/readyz")[0] == 200
 
 
 def test_a_child_that_cannot_start_says_why_at_start(tmp_path: Path) -> None:

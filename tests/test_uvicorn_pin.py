@@ -1,7 +1,8 @@
-"""kvbridge/guard.py (and the side channel's HeadLimitedHttpTools) drive uvicorn through state
-uvicorn does not publish: the httptools protocol's ``cycle``, ``pipeline``, ``connections``,
-``timeout_keep_alive_task``, its parser callbacks, and ``Server.startup`` calling
-``loop.create_server``. pyproject.toml pins the uvicorn versions this was checked on; these
+"""kvbridge/guard.py, kvbridge/bounded_http.py (and the side channel's HeadLimitedHttpTools)
+drive uvicorn through state uvicorn does not publish: the httptools protocol's ``cycle``,
+``pipeline``, ``connections``, ``timeout_keep_alive_task``, ``flow`` (its ``FlowControl``,
+replaced by a subclass), ``_start_asgi_task``, its parser callbacks, and ``Server.startup``
+calling ``loop.create_server``. pyproject.toml pins the uvicorn versions this was checked on; these
 tests fail, naming what changed, when the installed uvicorn no longer has what is driven."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import tomllib
 
 import uvicorn
 from packaging.requirements import Requirement
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
@@ -21,10 +23,14 @@ from tests.conftest import ROOT
 # What the guard and HeadLimitedHttpTools override or call (methods) and read (state).
 METHODS = ("connection_made", "connection_lost", "data_received", "on_message_begin", "on_url",
            "on_header", "on_headers_complete", "on_body", "on_message_complete",
-           "on_response_complete", "timeout_keep_alive_handler")
-STATE = ("cycle", "pipeline", "connections", "timeout_keep_alive_task", "loop")
+           "on_response_complete", "timeout_keep_alive_handler", "_start_asgi_task", "shutdown",
+           "pause_writing", "resume_writing")
+STATE = ("cycle", "pipeline", "connections", "timeout_keep_alive_task", "loop", "parser")
 # Set later than __init__: where uvicorn sets them.
-SET_IN = {"transport": "connection_made", "scope": "on_message_begin"}
+SET_IN = {"transport": "connection_made", "flow": "connection_made", "scope": "on_message_begin"}
+# What bounded_http's FlowControl subclass overrides and reads.
+FLOW = ("pause_reading", "resume_reading", "pause_writing", "resume_writing", "drain")
+FLOW_STATE = ("read_paused", "write_paused", "_transport")
 
 
 def _changed(what: list[str]) -> str:
@@ -55,6 +61,9 @@ def test_the_httptools_protocol_has_what_the_guard_drives():
             missing.append("HttpToolsProtocol.connections as a set")
     finally:
         loop.close()
+    missing += [f"FlowControl.{m}()" for m in FLOW if not callable(getattr(FlowControl, m, None))]
+    flow = FlowControl(None)  # type: ignore[arg-type]
+    missing += [f"FlowControl.{a}" for a in FLOW_STATE if not hasattr(flow, a)]
     for attr, method in SET_IN.items():
         source = inspect.getsource(getattr(HttpToolsProtocol, method, lambda: None))
         if f"self.{attr} =" not in source:

@@ -156,6 +156,12 @@ class HandshakeServer(ABC):
         serve more than the store (etcd's record, vLLM's wire)."""
         return None
 
+    def when_responsive(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` from the event loop that serves, when it gets to it: how a liveness
+        ping is answered (a loop that is stuck or flooded answers late or never). At once
+        for a server with no loop of its own."""
+        fn()
+
     def __enter__(self) -> HandshakeServer:
         self.start()
         return self

@@ -95,6 +95,8 @@ def serve(channel: Channel, listen_fd: int | None) -> int:
         while (message := channel.recv()) is not None and message[0] != "stop":
             if message[0] == "health":
                 health = message[1]
+            elif message[0] == "ping":  # answered once the serving loop gets to it
+                server.when_responsive(lambda n=message[1]: _pong(channel, n))
             elif message[0] == "payloads":
                 store.set_payloads(message[1], message[2])  # type: ignore[attr-defined]
                 server.payloads_changed(message[1])
@@ -110,6 +112,13 @@ def serve(channel: Channel, listen_fd: int | None) -> int:
         deadline.start()
         server.stop()
     return 0
+
+
+def _pong(channel: Channel, n: int) -> None:
+    try:
+        channel.send("pong", n)
+    except OSError:
+        pass  # the parent is gone: the control loop ends too
 
 
 def _report(channel: Channel, observed: _Observed | None, stop: threading.Event) -> None:

@@ -9,12 +9,14 @@ Parent to child:
   ``("start", ServerSpec)``  once, first: what to serve and how;
   ``("payloads", {(pp, tp): bytes}, {(pp, tp): description}, n)``  republish number n;
   ``("health", str | None)``  why the instance cannot serve KV now (None: it can);
+  ``("ping", n)``  liveness: answered ``("pong", n)`` from the loop that serves;
   ``("stop",)``  stop serving and exit (end of file means the same).
 Child to parent:
   ``("ready", port)`` or ``("error", exception type name, message)``, once, after "start";
   ``("observed", {(route, status): (requests, body bytes)}, {server: guard figures})``
   what was answered lately, and the connection guards (``kvbridge.guard.guard_stats``);
-  ``("republished", n)``  republish n is served (and put in etcd, for that method).
+  ``("republished", n)``  republish n is served (and put in etcd, for that method);
+  ``("pong", n)``  ping n reached the serving loop (``HandshakeServer.when_responsive``).
 """
 
 from __future__ import annotations

@@ -9,11 +9,12 @@ who may fetch.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import ssl
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 import uvloop
@@ -168,6 +169,7 @@ class HttpHandshakeServer(HandshakeServer):
         self._limit_concurrency = max(limit_concurrency, self._budget.max_connections + 64)
         self._server: _ThreadServer | None = None
         self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def port(self) -> int:
@@ -205,10 +207,21 @@ class HttpHandshakeServer(HandshakeServer):
             config.ssl.minimum_version = ssl.TLSVersion.TLSv1_2  # uvicorn has no setting
         self._server = _ThreadServer(config)
         grow_fd_table(self._limit_concurrency)  # no fd-table growth (an RCU stall) under load
-        self._thread = threading.Thread(target=lambda: uvloop.run(
-            self._server.serve(sockets=[self._sock])), name="kvbridge-http-side-channel",
-            daemon=True)
+        self._thread = threading.Thread(target=lambda: uvloop.run(self._serve()),
+                                        name="kvbridge-http-side-channel", daemon=True)
         self._thread.start()
+
+    async def _serve(self) -> None:
+        assert self._server is not None
+        self._loop = asyncio.get_running_loop()
+        await self._server.serve(sockets=[self._sock])
+
+    def when_responsive(self, fn: Callable[[], None]) -> None:
+        loop = self._loop
+        if loop is None:  # not serving yet
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed: no answer, as if stuck
+            loop.call_soon_threadsafe(fn)
 
     def stop(self) -> None:
         if self._server is not None:

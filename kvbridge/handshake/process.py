@@ -15,7 +15,10 @@ pause of one is felt by the other.
   and revokes its record). Should that fail, its control socket reaches end of file and
   it stops by itself.
 * A child that dies is restarted with backoff by ``kvbridge.background.Supervised``; while
-  it waits, ``problem`` says why, ``/health`` of the instance answers 503 naming it, and
+  it waits, while a child starts, and while a serving child's loop answers no liveness
+  ping over the control socket for ``LIVENESS_TIMEOUT`` (stopped, hung, flooded; pinged
+  every ``PING_INTERVAL`` when there is a health to follow), ``problem`` says why,
+  ``/health`` of the instance answers 503 naming it, and
   ``kvbridge_background_thread_up{thread="kvbridge-side-channel"}`` is 0. Requests that
   need no new handshake never touch it.
 * The store's payloads go to the child at start, and again on every ``payloads_changed``;
@@ -32,6 +35,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from kvbridge import errors
@@ -49,6 +53,8 @@ log = logging.getLogger(__name__)
 
 REPUBLISH_TIMEOUT = 10.0  # a republish the child has not confirmed by then is logged
 HEALTH_POLL = 0.1  # how often the instance's health is looked at (forwarded on change)
+PING_INTERVAL = 0.5  # how often the child's serving loop is pinged (with a health only)
+LIVENESS_TIMEOUT = 5.0  # a child whose loop answered no ping for this long is down
 
 
 class SideChannelProcess(HandshakeServer):
@@ -80,7 +86,10 @@ class SideChannelProcess(HandshakeServer):
         self._acks = threading.Condition()  # republishes sent, and served by the child
         self._republishes = 0
         self._acked = 0
-        self._thread = Supervised("kvbridge-side-channel", self._loop, self._stop)
+        self._why_not_up = "starting"  # while no child serves: what it is doing
+        self._last_pong = 0.0  # when the child's loop last answered a ping (monotonic)
+        self._thread = Supervised("kvbridge-side-channel", self._loop, self._stop,
+                                  liveness=self._liveness)
 
     @property
     def port(self) -> int:
@@ -97,7 +106,22 @@ class SideChannelProcess(HandshakeServer):
         """Why no child serves now (None: one does)."""
         if self._thread.down_reason is not None:
             return self._thread.down_reason
-        return None if self._up else "starting"
+        return None if self._up else self._why_not_up
+
+    def _liveness(self) -> str | None:
+        """Why the side channel is down while its supervisor runs: a child starting (or
+        just ended), or one whose serving loop has not answered a ping for
+        ``LIVENESS_TIMEOUT`` (stopped, hung, flooded). Pings go only with a health to
+        follow (an instance's: its /health says so); without one (the vLLM plug-in) the
+        supervisor never wakes for them."""
+        if not self._up:
+            return self._why_not_up
+        if self._health is None:
+            return None
+        silent = time.monotonic() - self._last_pong
+        if silent > LIVENESS_TIMEOUT:
+            return f"side-channel process {self.pid} not answering for {silent:.0f}s"
+        return None
 
     @property
     def restarts(self) -> int:
@@ -185,6 +209,7 @@ class SideChannelProcess(HandshakeServer):
                "--control-fd", str(theirs.fileno()), "--parent", str(os.getpid())]
         if self._sock is not None:
             cmd += ["--listen-fd", str(self._sock.fileno())]
+        self._why_not_up = "side-channel process starting"
         try:
             proc = subprocess.Popen(cmd, pass_fds=fds, stdin=subprocess.DEVNULL)
         except OSError as e:
@@ -193,6 +218,7 @@ class SideChannelProcess(HandshakeServer):
             return f"could not start ({e})"
         finally:
             theirs.close()
+        self._why_not_up = f"side-channel process {proc.pid} starting"
         channel = Channel(ours)
         self._proc = proc
         try:
@@ -202,6 +228,7 @@ class SideChannelProcess(HandshakeServer):
         except OSError as e:
             log.warning("kvbridge side channel: control socket: %s", e)
         finally:
+            self._why_not_up = f"side-channel process {proc.pid} ended"
             self._channel, self._up = None, False
             with self._acks:
                 self._acks.notify_all()  # a republish waiting: the next child has it
@@ -239,6 +266,7 @@ class SideChannelProcess(HandshakeServer):
             self._port = first[1]
         for mirror in self._guards.values():  # a new child counts from zero
             mirror.restarted()
+        self._last_pong = time.monotonic()
         self._channel, self._up = channel, True
         if not self._ready.is_set():
             log.info("kvbridge side channel: process %d serving %s on port %d", proc.pid,
@@ -255,6 +283,7 @@ class SideChannelProcess(HandshakeServer):
         # No health to follow (the vLLM plug-in): wait for the child only, so this thread
         # in vLLM's engine core never wakes for nothing.
         channel.sock.settimeout(None if self._health is None else HEALTH_POLL)
+        pinged, ping, answered = 0.0, 0, 0
         while True:
             try:
                 message = channel.recv()
@@ -262,7 +291,14 @@ class SideChannelProcess(HandshakeServer):
                 message = ()
             if message is None:
                 return
-            if message and message[0] == "observed":
+            # one ping outstanding at most: a stopped child's socket never fills up
+            if (self._health is not None and answered == ping
+                    and time.monotonic() - pinged >= PING_INTERVAL):
+                pinged, ping = time.monotonic(), ping + 1
+                channel.send("ping", ping)
+            if message and message[0] == "pong":
+                answered, self._last_pong = message[1], time.monotonic()
+            elif message and message[0] == "observed":
                 self._observed(message[1])
                 for name, stats in message[2].items():
                     if name not in self._guards:

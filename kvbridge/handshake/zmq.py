@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
 
 import msgspec
 
@@ -92,6 +93,9 @@ class ZmqHandshakeServer(HandshakeServer):
 
     def start(self) -> None:
         self._listener.start()
+
+    def when_responsive(self, fn: Callable[[], None]) -> None:
+        self._listener.call_soon(fn)
 
     def stop(self) -> None:
         self._listener.stop()

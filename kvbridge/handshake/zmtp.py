@@ -129,6 +129,12 @@ class ZmtpListener:
         self._thread.start()
         self._started.wait(10)
 
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` from the listener's loop (``HandshakeServer.when_responsive``)."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: no answer
+                self._loop.call_soon_threadsafe(fn)
+
     def stop(self) -> None:
         if self._loop is not None and self._stopped is not None:
             with contextlib.suppress(RuntimeError):  # loop already closed

@@ -12,12 +12,14 @@ from kvbridge.settings.tree import SETTINGS
 
 @dataclass(frozen=True)
 class ConnectionBudget:
-    """Limits of one server's connections (seconds, and a count); the defaults are the
-    tree's (``keep_alive_timeout``: the engine API's and the proxy's)."""
+    """Limits of one server's connections (seconds, counts and request-head bytes); the
+    defaults are the tree's (``keep_alive_timeout``: the engine API's and the proxy's)."""
 
     max_connections: int = SETTINGS["max_connections"].default
     first_byte_timeout: float = SETTINGS["first_byte_timeout"].default
     head_timeout: float = SETTINGS["head_timeout"].default
+    max_head_bytes: int = SETTINGS["max_head_bytes"].default
+    max_headers: int = SETTINGS["max_headers"].default
     body_timeout: float = SETTINGS["body_timeout"].default
     keep_alive_timeout: float = SETTINGS["keep_alive_timeout"].default
 
@@ -29,7 +31,7 @@ class ConnectionBudget:
         ``side_channel``: the keep-alive is ``side_channel_keep_alive_timeout``."""
         names = [f.name for f in fields(cls)]
         if side_channel:
-            names[-1] = "side_channel_keep_alive_timeout"
+            names[names.index("keep_alive_timeout")] = "side_channel_keep_alive_timeout"
         values = SETTINGS.resolve(names, flags, environ, label)
         if side_channel:
             values["keep_alive_timeout"] = values.pop("side_channel_keep_alive_timeout")

@@ -181,6 +181,16 @@ SETTINGS = Tree([
             "its first byte arrived. Slowloris clients are closed at this deadline.", "budget",
             env=("KVBRIDGE_HEAD_TIMEOUT",), flag="--head-timeout", low=0.0, high=_SEC,
             low_open=True),
+    Setting("max_head_bytes", int, 32 * 1024,
+            "Largest request head (request line and headers) every server reads: counted as "
+            "it arrives, 431 and the connection closed past it. Bytes of a chunked body with "
+            "no body data among them (trailers, chunk extensions) count the same. The side "
+            "channel's is at most 16 KiB.", "budget", env=("KVBRIDGE_MAX_HEAD_BYTES",), flag="--max-head-bytes",
+            low=1024),
+    Setting("max_headers", int, 100,
+            "Most header lines a request head (with its chunked body's trailers) may have on "
+            "every server: 431 and the connection closed past it.", "budget", env=("KVBRIDGE_MAX_HEADERS",),
+            flag="--max-headers", low=1),
     Setting("body_timeout", float, 30.0,
             "Seconds a request body may take once its head is complete; past it the "
             "connection is closed and the app sees a disconnect.", "budget",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import socket
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -88,6 +89,9 @@ class VllmZmqServer(HandshakeServer):
 
     def start(self) -> None:
         self._listener.start()
+
+    def when_responsive(self, fn: Callable[[], None]) -> None:
+        self._listener.call_soon(fn)
 
     def stop(self) -> None:
         self._listener.stop()

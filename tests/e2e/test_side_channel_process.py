@@ -1,6 +1,7 @@
 """``kvbridge serve``'s side channel runs in a process of its own (a child of the serve
 process): killed, it is restarted and counted while the instance keeps serving; the serve
-process killed with SIGKILL, it is gone and its port free. Real processes, real TLS."""
+process killed with SIGKILL, it is gone and its port free; stopped, the instance's /health
+says so. Real processes, real TLS."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvbridge.handshake.process import LIVENESS_TIMEOUT
 from kvbridge.net import listen_socket
 from kvbridge.testing.procfs import children, gone
 from kvbridge.testing.wait import wait_until
@@ -62,3 +64,26 @@ def test_the_serve_process_killed_leaves_no_side_channel_and_no_port(prefill, ce
     prefill.proc.wait()
     wait_until(lambda: gone(child), 30, "the side-channel process gone with serve")
     listen_socket("127.0.0.1", port, "the side channel's port").close()
+
+
+def test_the_instances_health_follows_a_stopped_side_channel(prefill, certs):
+    """The instance pings its side-channel process over the control socket: stopped
+    (SIGSTOP), it is down in /health (503 naming it) within the liveness timeout; resumed,
+    /health is 200 again, the same process serving."""
+    (child,) = children(prefill.proc.pid, CHILD)
+    port, c = _side(prefill, certs)
+    with c:
+        assert c.get(prefill.url + "/health").status_code == 200
+        os.kill(child, signal.SIGSTOP)
+        try:
+            r = wait_until(lambda: (h := c.get(prefill.url + "/health")).status_code != 200
+                           and h, LIVENESS_TIMEOUT + 15, "/health down")
+            assert r.status_code == 503
+            assert f"side-channel process {child} not answering" in \
+                r.json()["background_down"]["kvbridge-side-channel"]
+        finally:
+            os.kill(child, signal.SIGCONT)
+        wait_until(lambda: c.get(prefill.url + "/health").status_code == 200, 15,
+                   "/health up again")
+        assert children(prefill.proc.pid, CHILD) == [child]
+        assert c.get(f"https://127.0.0.1:{port}/readyz").text == "ready"

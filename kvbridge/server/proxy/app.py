@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import httpx
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -31,7 +32,7 @@ from kvbridge.server.proxy.flow import Flow
 from kvbridge.server.proxy.metrics import ProxyMetrics
 from kvbridge.server.proxy.prewarm import Prewarmer
 from kvbridge.server.proxy.release import Releaser
-from kvbridge.server.proxy.rewrite import CHAT, COMPLETIONS
+from kvbridge.server.proxy.rewrite import CHAT, COMPLETIONS, PassedOnHeaders
 from kvbridge.server.proxy.tasks import TaskSet
 from kvbridge.server.routing import Router
 
@@ -171,7 +172,8 @@ def build_proxy_app(
         Route("/health", proxy.health, methods=["GET"]),
         *proxy.admin.routes(admin_routes, metrics_route, admin_token),
     ]
-    app = Starlette(routes=routes, lifespan=proxy.lifespan)
+    app = Starlette(routes=routes, lifespan=proxy.lifespan,
+                    middleware=[Middleware(PassedOnHeaders)])
     app.state.proxy = proxy
     return app
 

@@ -1,15 +1,17 @@
-"""The client's request as the engines get it: the one-token prefill body and the headers
-of both hops."""
+"""The client's request as the engines get it: the one-token prefill body, the headers of
+both hops, and the check that those headers can be sent on at all."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvbridge.params import KVTransferParams
+from kvbridge.server.proxy.engine_client import proxy_error
 
-__all__ = ["CHAT", "COMPLETIONS", "engine_headers", "prefill_body"]
+__all__ = ["CHAT", "COMPLETIONS", "PassedOnHeaders", "engine_headers", "prefill_body"]
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -41,3 +43,28 @@ def engine_headers(request: Request, request_id: str) -> dict[str, str]:
     if auth is not None:
         headers["authorization"] = auth
     return headers
+
+
+# The client's headers the proxy sends on to the engines (``engine_headers``, /v1/models).
+PASSED_ON = {b"authorization": "Authorization"}
+
+
+class PassedOnHeaders:
+    """Refuses (400) a request whose headers the proxy passes on to the engines hold a byte
+    outside ASCII. HTTP/1.1 lets a header value carry Latin-1 bytes, but the proxy's
+    clients to the engines send ASCII only: the request failed there, a 500 with a
+    traceback."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for name, value in scope["headers"]:
+                if name in PASSED_ON and not value.isascii():
+                    response = proxy_error(
+                        400, f"invalid {PASSED_ON[name]} header: only ASCII characters are "
+                        "accepted", "invalid_request_error", PASSED_ON[name].lower())
+                    await response(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
