@@ -175,7 +175,8 @@ class Membership:
         for key in [k for k in self._records if k not in entries]:
             self._gone(key)
         # oldest first, so a URL's owner is put before the records it outranks
-        for key, entry in sorted(entries.items(), key=lambda kv: (kv[1].created, kv[0])):
+        for key, entry in sorted(entries.items(),
+                                 key=lambda kv: (kv[1].created or kv[1].revision, kv[0])):
             self._put(key, entry.value, entry.created or entry.revision)
 
     def _gone(self, key: str) -> None:
