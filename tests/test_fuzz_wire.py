@@ -488,7 +488,9 @@ kvs = st.one_of(
                           optional={"value": st.one_of(st.binary(max_size=40).map(_b64),
                                                        json_values),
                                     "mod_revision": st.one_of(st.integers(0, 99).map(str),
-                                                              json_values)}),
+                                                              json_values),
+                                    "create_revision": st.one_of(
+                                        st.integers(0, 99).map(str), json_values)}),
     json_values)
 revisions = st.one_of(st.integers(0, 10**6).map(str), st.integers(0, 10**6), json_values)
 range_replies = st.one_of(
@@ -509,6 +511,9 @@ def test_an_etcd_range_reply_is_read_or_refused(gateway, reply):
     assert isinstance(revision, int)
     assert all(isinstance(k, str) and isinstance(v, bytes) and len(v) <= 1000
                for k, v in got.items())
+    entries, _ = gateway.registry.entries("/kvbridge/", 1000)
+    assert all(isinstance(e.revision, int) and isinstance(e.created, int)
+               for e in entries.values())
 
 
 events = st.fixed_dictionaries({}, optional={
@@ -539,6 +544,7 @@ def test_an_etcd_watch_stream_is_read_or_refused(gateway, messages, cut):
         for ev in gateway.registry.watch_prefix("/kvbridge/", 1, 1000):
             assert ev.kind in ("put", "delete") and isinstance(ev.key, str)
             assert isinstance(ev.value, bytes) and isinstance(ev.revision, int)
+            assert isinstance(ev.created, int)
     assert time.monotonic() - t0 < TIMEOUT + SLACK
 
 

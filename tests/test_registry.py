@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -24,6 +25,8 @@ from kvbridge.registry import (
     instance_key,
     parse_registry_url,
 )
+from kvbridge.server.membership import Membership
+from kvbridge.server.routing import Router
 from tests.conftest import ROOT
 from tests.helpers import wait_until
 
@@ -117,6 +120,60 @@ def test_lease_lost_registers_again(etcd):
         assert registrar.lease.id != lease.id
     finally:
         registrar.deregister()
+
+
+def test_a_foreign_write_at_a_live_registrars_key_is_undone_and_logged(etcd, caplog):
+    """Another record put at a live instance's key (another URL), a delete, or its own
+    bytes put again without its lease: each is written back by the next keep-alive (every
+    TTL/3), logged once with the foreign value summarised, and the proxy's view follows.
+    The registrar rewrote only when its own record changed: the foreign one stayed."""
+    reg = EtcdRegistry(parse_registry_url(etcd.url))
+    own = EtcdRegistry(parse_registry_url(etcd.url))  # the registrar's: its calls counted
+    registrar = Registrar(own, _record, ttl=3).start()
+    router = Router()
+    m = Membership(EtcdRegistry(parse_registry_url(etcd.url)), router, grace=0.5,
+                   probe_timeout=1).start()
+    key, ours = instance_key(_record()), _record().encode()
+    url = _record().api_url
+    foreign = _record(epoch="evil", api_url="http://127.0.0.1:2")
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name == "kvbridge.registry.registrar" and "someone else" in r.getMessage()]
+
+    def restored() -> bool:
+        entry = reg.get(key)
+        return entry is not None and entry.value == ours
+
+    try:
+        with caplog.at_level(logging.INFO, logger="kvbridge.registry.registrar"):
+            assert registrar.wait_registered(5)
+            _wait(lambda: router.get(url), 10, "the proxy's view")
+            reg.put(key, foreign.encode())  # no lease: it would outlive the instance
+            _wait(restored, 10, "written back")
+            _wait(lambda: router.get(url) and router.get(url).epoch == "ep1"
+                  and router.get(foreign.api_url) is None, 10, "the proxy's view back")
+            (line,) = warnings()
+            assert key in line and "overwritten" in line and "'evil'" in line
+            assert foreign.api_url in line
+            # logged once: more keep-alives go by with nothing new
+            writes = own.writes
+            _wait(lambda: own.writes >= writes + 2, 10, "two more keep-alives")
+            assert len(warnings()) == 1 and registrar.foreign_writes == 1
+            reg.delete(key)
+            _wait(lambda: registrar.foreign_writes == 2 and restored(), 10, "a delete undone")
+            assert "deleted" in warnings()[1]
+            replay = reg.put(key, ours)  # the same bytes, detached from the lease
+            _wait(lambda: registrar.foreign_writes == 3 and reg.get(key).revision > replay,
+                  10, "a replay written over")
+            assert "a record of engine 'e1'" in warnings()[2]
+            assert registrar.registrations == 1  # kept, not registered anew
+        # under its lease again: revoking it takes the record with it
+        assert registrar.deregister()
+        assert key not in reg.get_prefix(INSTANCES_PREFIX)[0]
+    finally:
+        registrar.deregister()
+        m.close()
 
 
 def test_etcd_down_then_back(etcd):

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 
 import httpx
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -121,6 +122,33 @@ def test_a_stray_record_naming_an_instance_url_does_not_take_it_over(etcd, membe
     mismatch = _ignored("key_mismatch")
     reg.put(instance_key(p), _rec("p9", "prefill", p.api_url, "other").encode())
     _wait(lambda: _ignored("key_mismatch") > mismatch, 10, "the mismatched record seen")
+    assert router.get(p.api_url).engine_id == "p0"
+
+
+def test_a_stray_record_created_after_the_real_one_never_wins(etcd, membership):
+    """A URL is owned by the record whose key etcd created first, not by key order: a stray
+    at a key listed first (``both/0000stray``), written after a live prefill's record and
+    naming its URL, was that URL's view from the next proxy start on."""
+    reg, router, m = membership
+    p = _rec("p0", "prefill", "http://127.0.0.1:31")
+    stray = _rec("0000stray", "both", p.api_url, compat_hash="other")
+    assert instance_key(stray) < instance_key(p)  # etcd lists it first
+    reg.put(instance_key(p), p.encode())
+    reg.put(instance_key(stray), stray.encode())
+    url_taken = _ignored("url_taken")
+    m.start()  # at start: one list, then the watch
+    _wait(lambda: _ignored("url_taken") > url_taken, 10, "one of the two ignored")
+    assert router.get(p.api_url).engine_id == "p0" and router.urls("decode") == []
+    # when watched: the stray written again, and another one, still lose to the older key
+    late = _rec("0000late", "both", p.api_url, compat_hash="other")
+    url_taken = _ignored("url_taken")
+    reg.put(instance_key(stray), stray.encode())
+    reg.put(instance_key(late), late.encode())
+    _wait(lambda: _ignored("url_taken") >= url_taken + 2, 10, "both strays seen")
+    assert router.get(p.api_url).engine_id == "p0" and router.urls("decode") == []
+    # the real record rewritten in place (its load) keeps its key's age, so its view
+    reg.put(instance_key(p), msgspec.structs.replace(p, load=5).encode())
+    _wait(lambda: router.get(p.api_url).info["load"] == 5, 10, "the rewrite seen")
     assert router.get(p.api_url).engine_id == "p0"
 
 

@@ -117,6 +117,11 @@ class _KV(msgspec.Struct):
     key: str
     value: str = ""
     mod_revision: int = 0
+    create_revision: int = 0
+
+
+class _PutReply(msgspec.Struct):
+    header: _Header
 
 
 def _shaped(obj: object, kind: type[msgspec.Struct], what: str) -> Any:
@@ -127,8 +132,9 @@ def _shaped(obj: object, kind: type[msgspec.Struct], what: str) -> Any:
         raise RegistryError(f"etcd: malformed {what}: {e}") from None
 
 
-def _checked(kv: object, max_value_bytes: int | None) -> tuple[str, bytes, int] | None:
-    """(key, value, mod_revision) of one key-value from the gateway, or None (counted) if it
+def _checked(kv: object, max_value_bytes: int | None) -> tuple[str, bytes, int, int] | None:
+    """(key, value, mod_revision, create_revision) of one key-value from the gateway, or
+    None (counted) if it
     is malformed, the key is not UTF-8 or the value is over ``max_value_bytes``: bytes are
     not trusted until checked."""
     try:
@@ -149,7 +155,7 @@ def _checked(kv: object, max_value_bytes: int | None) -> tuple[str, bytes, int] 
         log.warning("registry: ignoring %s: %d bytes, over the bound of %d", key[:200],
                     len(value), max_value_bytes)
         return None
-    return key, value, item.mod_revision
+    return key, value, item.mod_revision, item.create_revision
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,17 @@ class WatchEvent:
     key: str
     value: bytes
     revision: int
+    created: int = 0  # the key's create_revision (a put's; 0 when etcd gave none)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One key's value and revisions: ``created`` orders keys by when each came to be
+    (a key deleted and put again is new), ``revision`` changes with every write."""
+
+    value: bytes
+    revision: int  # mod_revision
+    created: int  # create_revision
 
 
 class EtcdRegistry:
@@ -206,8 +223,15 @@ class EtcdRegistry:
     def revoke(self, lease: Lease) -> None:
         self._call(lease.revoke, True)
 
-    def put(self, key: str, value: bytes, lease: Lease | None = None) -> None:
-        self._call(lambda: self._client.put(key, value, lease), True)
+    def put(self, key: str, value: bytes, lease: Lease | None = None) -> int:
+        """The store's revision after the put: the key's ``mod_revision`` from then on."""
+        body: dict[str, object] = {"key": _b64(key), "value": _b64(value)}
+        if lease is not None:
+            body["lease"] = lease.id
+        reply = self._call(lambda: self._client.post(self._client.get_url("/kv/put"),
+                                                     json=body), True)
+        put: _PutReply = _shaped(reply, _PutReply, "put reply")
+        return put.header.revision
 
     def delete(self, key: str) -> None:
         self._call(lambda: self._client.delete(key), True)
@@ -219,19 +243,30 @@ class EtcdRegistry:
         Keys that are not UTF-8, and values over ``max_value_bytes``, are left out (and
         counted: ``kvbridge.background.ignored``): etcd holds bytes anyone with write
         access put there."""
+        entries, revision = self.entries(prefix, max_value_bytes)
+        return {key: entry.value for key, entry in entries.items()}, revision
 
+    def entries(self, prefix: str, max_value_bytes: int | None = None
+                ) -> tuple[dict[str, Entry], int]:
+        """As ``get_prefix``, each value with its key's revisions."""
+        return self._range({"key": _b64(prefix), "range_end": _prefix_end(prefix)},
+                           max_value_bytes)
+
+    def get(self, key: str, max_value_bytes: int | None = None) -> Entry | None:
+        """``key`` alone (not the keys it prefixes), or None if it is not there."""
+        return self._range({"key": _b64(key)}, max_value_bytes)[0].get(key)
+
+    def _range(self, body: dict[str, str], max_value_bytes: int | None
+               ) -> tuple[dict[str, Entry], int]:
         def call() -> dict:
-            return self._client.post(
-                self._client.get_url("/kv/range"),
-                json={"key": _b64(prefix), "range_end": _prefix_end(prefix)},
-            )
+            return self._client.post(self._client.get_url("/kv/range"), json=body)
 
         reply: _RangeReply = _shaped(self._call(call, False), _RangeReply, "range reply")
         kvs = {}
         for kv in reply.kvs:
             item = _checked(kv, max_value_bytes)
             if item is not None:
-                kvs[item[0]] = item[1]
+                kvs[item[0]] = Entry(*item[1:])
         return kvs, reply.header.revision
 
     def watch_prefix(self, prefix: str, start_revision: int,

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
 from etcd3gw.lease import Lease
 
 from kvbridge.background import Supervised
@@ -21,7 +22,10 @@ class Registrar:
     """Keeps one instance's record in etcd under a lease while the instance is up.
 
     A thread grants the lease, puts the record, and keeps the lease alive every third
-    of the TTL (rewriting the record only when it changed, e.g. its load). etcd down: the
+    of the TTL (rewriting the record only when it changed, e.g. its load). With each
+    keep-alive it reads its key back: if anyone else wrote or deleted it since its own
+    write (the key's ``mod_revision`` moved), the foreign write is logged and counted
+    (``foreign_writes``) and the record written again. etcd down: the
     instance keeps serving; the lease is re-granted and the record re-put once etcd is
     back. ``deregister`` revokes the lease, so the record goes at once, not at the TTL.
     ``health`` (None: healthy, else why not) is asked before every keep-alive: an instance
@@ -42,10 +46,13 @@ class Registrar:
         self.ttl = int(ttl)
         self.prefix = prefix
         self.registrations = 0  # how many times the record was (re-)written with a new lease
+        self.foreign_writes = 0  # writes or deletes of its key by others, undone
         self._record = record
         self._health = health
         self._lease: Lease | None = None
         self._written: InstanceRecord | None = None
+        self._revision = 0  # the key's mod_revision after this registrar's last write
+        self._foreign_seen: tuple[int, int | None] | None = None  # the last one logged
         self._stop = threading.Event()
         self._registered = threading.Event()
         self._thread = Supervised("kvbridge-registrar", self._run, self._stop)
@@ -73,7 +80,8 @@ class Registrar:
     def _register(self) -> None:
         lease = self.registry.grant(self.ttl)
         record = self._record()
-        self.registry.put(instance_key(record, self.prefix), record.encode(), lease)
+        self._revision = self.registry.put(instance_key(record, self.prefix), record.encode(),
+                                           lease)
         self._lease, self._written = lease, record
         self.registrations += 1
         self._registered.set()
@@ -104,12 +112,7 @@ class Registrar:
                         self._registered.clear()
                         continue
                     else:
-                        record = self._record()
-                        if record != self._written:
-                            self.registry.put(
-                                instance_key(record, self.prefix), record.encode(), self._lease
-                            )
-                            self._written = record
+                        self._keep_record()
                     last_ok, failing = time.monotonic(), False
                     due = last_ok + interval
                 except RegistryError as e:
@@ -121,6 +124,34 @@ class Registrar:
                         self._registered.clear()
                     due = time.monotonic() + min(interval, 0.5)
             self._stop.wait(min(interval, 0.5))
+
+    def _keep_record(self) -> None:
+        """Writes the record again if it changed, or if someone else wrote its key."""
+        assert self._lease is not None
+        record = self._record()
+        key = instance_key(record, self.prefix)
+        foreign = self._foreign_write(key)
+        if record != self._written or foreign:
+            self._revision = self.registry.put(key, record.encode(), self._lease)
+            self._written = record
+            if foreign:
+                log.info("registry: %s written again", key)
+
+    def _foreign_write(self, key: str) -> bool:
+        """The key was written or deleted by another since this registrar wrote it (logged
+        and counted once per foreign write, even if writing the record back fails)."""
+        entry = self.registry.get(key)
+        if entry is not None and entry.revision == self._revision:
+            return False
+        seen = (self._revision, None if entry is None else entry.revision)
+        if seen == self._foreign_seen:
+            return True
+        self._foreign_seen = seen
+        self.foreign_writes += 1
+        log.warning("registry: %s was %s by someone else; writing this instance's record "
+                    "back", key, "deleted" if entry is None else
+                    f"overwritten at revision {entry.revision} with {_summary(entry.value)}")
+        return True
 
     def _withdraw(self, why: str) -> None:
         lease, self._lease = self._lease, None
@@ -147,3 +178,13 @@ class Registrar:
         except RegistryError as e:
             log.warning("could not deregister (the lease ends by itself): %s", e)
             return False
+
+
+def _summary(value: bytes) -> str:
+    """A foreign value for a log line: the record it claims to be, else its first bytes."""
+    try:
+        r = InstanceRecord.decode(value)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return f"{len(value)} bytes that are not a record: {value[:80]!r}"
+    return (f"a record of engine {r.engine_id[:64]!r} ({r.role}, epoch {r.epoch[:64]!r}) "
+            f"at {r.api_url[:200]!r}")

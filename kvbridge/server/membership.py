@@ -10,8 +10,9 @@ for ``grace`` seconds, in which its registrar normally writes it again.
 Records are bytes from outside until checked: a key that is not UTF-8, a record over
 ``MAX_RECORD_BYTES``, a malformed one, or one stored under another instance's key is
 ignored and counted (``kvbridge_ignored_inputs_total``). An instance's view comes from the
-first record naming its URL: a second record naming the same URL does not rewrite it, and
-when the first goes the view comes from the next. The thread is supervised
+oldest record naming its URL, by etcd's creation revision of its key (not by key order,
+nor by which the proxy saw first): a record created later naming the same URL does not
+rewrite it, and when the oldest goes the view comes from the next. The thread is supervised
 (``kvbridge.background``): an unexpected error restarts it, with backoff.
 """
 
@@ -26,7 +27,7 @@ import msgspec
 
 from kvbridge.background import Supervised, ignored
 from kvbridge.errors import RegistryError, WatchCompacted
-from kvbridge.registry.etcd import EtcdRegistry
+from kvbridge.registry.etcd import Entry, EtcdRegistry
 from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord, instance_key
 from kvbridge.server.routing import Backend, Router
 
@@ -77,10 +78,10 @@ class Membership:
         self.connected = threading.Event()  # listed and watching
         self.synced = threading.Event()  # listed at least once
         self.events = 0
-        # registry key -> record, in the order first seen: the first record naming a URL
-        # is that instance's view until it goes; another record naming the same URL (a
+        # registry key -> (record, its key's create_revision): the oldest record naming a
+        # URL is that instance's view until it goes; another record naming the same URL (a
         # stray, or a restart under a new engine id) is ignored while that one stands
-        self._records: dict[str, InstanceRecord] = {}
+        self._records: dict[str, tuple[InstanceRecord, int]] = {}
         self._orphans: dict[str, float] = {}  # url -> when its record went
         self._lock = threading.Lock()  # the watch thread and the orphans' timers
         self._stop = threading.Event()
@@ -111,7 +112,7 @@ class Membership:
         delay = 0.1
         while not self._stop.is_set():
             try:
-                records, revision = self.registry.get_prefix(self.prefix, MAX_RECORD_BYTES)
+                records, revision = self.registry.entries(self.prefix, MAX_RECORD_BYTES)
                 self._resync(records)
                 self.synced.set()
                 self.connected.set()
@@ -120,7 +121,7 @@ class Membership:
                                                      MAX_RECORD_BYTES):
                     self.events += 1
                     if ev.kind == "put":
-                        self._put(ev.key, ev.value)
+                        self._put(ev.key, ev.value, ev.created or ev.revision)
                     else:
                         self._gone(ev.key)
             except WatchCompacted as e:
@@ -135,7 +136,7 @@ class Membership:
                 delay = min(delay * 2, 2.0)
             self._expire_orphans()
 
-    def _put(self, key: str, value: bytes) -> None:
+    def _put(self, key: str, value: bytes, created: int) -> None:
         try:
             record = InstanceRecord.decode(value)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -150,37 +151,39 @@ class Membership:
         url = record.api_url.rstrip("/")
         with self._lock:
             old = self._records.get(key)
-            self._records[key] = record
+            self._records[key] = (record, created)
             owner = self._owner(url)
             self._orphans.pop(url, None)
         if owner is record:
             self.router.upsert(backend_of(record))
         else:
             ignored("registry", "url_taken")
-            log.warning("registry: ignoring %s: %s is %s's (engine %s) while its record "
-                        "stands", key, url, owner and instance_key(owner, self.prefix),
-                        owner and owner.engine_id)
-        if old is not None and old.api_url.rstrip("/") != url:
-            self._reassign(old.api_url.rstrip("/"))
+            log.warning("registry: ignoring %s: %s is %s's (engine %s), an older record",
+                        key, url, owner and instance_key(owner, self.prefix),
+                        owner and owner.engine_id[:64])
+        if old is not None and old[0].api_url.rstrip("/") != url:
+            self._reassign(old[0].api_url.rstrip("/"))
 
     def _owner(self, url: str) -> InstanceRecord | None:
-        """The first record naming ``url`` (lock held)."""
-        for record in self._records.values():
-            if record.api_url.rstrip("/") == url:
-                return record
-        return None
+        """The record naming ``url`` whose key etcd created first (lock held): key order
+        is the writer's choice, creation order is not."""
+        naming = [(created, key, record) for key, (record, created) in self._records.items()
+                  if record.api_url.rstrip("/") == url]
+        return min(naming, key=lambda n: n[:2])[2] if naming else None
 
-    def _resync(self, records: dict[str, bytes]) -> None:
-        for key in [k for k in self._records if k not in records]:
+    def _resync(self, entries: dict[str, Entry]) -> None:
+        for key in [k for k in self._records if k not in entries]:
             self._gone(key)
-        for key, value in records.items():
-            self._put(key, value)
+        # oldest first, so a URL's owner is put before the records it outranks
+        for key, entry in sorted(entries.items(),
+                                 key=lambda kv: (kv[1].created or kv[1].revision, kv[0])):
+            self._put(key, entry.value, entry.created or entry.revision)
 
     def _gone(self, key: str) -> None:
         with self._lock:
-            record = self._records.pop(key, None)
-        if record is not None:
-            self._reassign(record.api_url.rstrip("/"))
+            item = self._records.pop(key, None)
+        if item is not None:
+            self._reassign(item[0].api_url.rstrip("/"))
 
     def _reassign(self, url: str) -> None:
         """``url`` lost a record: the view comes from the next record naming it, if any;
