@@ -14,6 +14,9 @@ import os
 import sys
 import threading
 
+# Marks the probe's lines: a library writing to stdout (seen once under load) is not one.
+PREFIX = "round: "
+
 
 def _rss_mib() -> float:
     with open("/proc/self/status") as f:
@@ -42,7 +45,7 @@ def main(rounds: int) -> None:
                 # connect while closing its reply endpoint (separate processes do not).
                 prefill.shutdown()
                 decode.shutdown()
-            print(json.dumps({"method": method, "round": i, "fds": len(os.listdir("/proc/self/fd")),
+            print(PREFIX + json.dumps({"method": method, "round": i, "fds": len(os.listdir("/proc/self/fd")),
                               "threads": threading.active_count(), "rss_mib": round(_rss_mib(), 1)}),
                   flush=True)
 

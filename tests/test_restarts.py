@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from tests.restart_probe import PREFIX
 
 ROUNDS = 20
 
@@ -22,7 +23,8 @@ def test_twenty_restarts_leak_nothing():
                          capture_output=True, text=True, timeout=280,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
-    rounds = [json.loads(line) for line in out.stdout.splitlines()]
+    rounds = [json.loads(line[len(PREFIX):]) for line in out.stdout.splitlines()
+              if line.startswith(PREFIX)]
     assert len(rounds) == ROUNDS
     errors = [line for line in out.stderr.splitlines() if "ERROR" in line or "NIXL_ERR" in line]
     assert errors == []

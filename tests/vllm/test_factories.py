@@ -172,6 +172,8 @@ CASES: dict[str, Case] = {
                                       "3.5", 3.5),
     "head_timeout": budget_case("head_timeout", "KVBRIDGE_HEAD_TIMEOUT", "4.5", 4.5),
     "body_timeout": budget_case("body_timeout", "KVBRIDGE_BODY_TIMEOUT", "5.5", 5.5),
+    "max_head_bytes": budget_case("max_head_bytes", "KVBRIDGE_MAX_HEAD_BYTES", "20000", 20000),
+    "max_headers": budget_case("max_headers", "KVBRIDGE_MAX_HEADERS", "50", 50),
     # the engine API's and the proxy's keep-alive: not the side channel's (it has its own)
     "keep_alive_timeout": budget_case("keep_alive_timeout", "KVBRIDGE_KEEP_ALIVE_TIMEOUT",
                                       "2.5", SETTINGS["side_channel_keep_alive_timeout"].default),
