@@ -74,6 +74,13 @@ class WatchCompacted(RegistryError):
     """The revision to resume from is gone: list again, then watch."""
 
 
+class ClosedUnanswered(KVBridgeError):
+    """An engine closed a reused keep-alive connection without a byte of answer to the
+    request on it: the request never reached it, and is sent once more on a new connection
+    (``kvbridge.server.upstream.send_retrying_once``; the proxy raises it as an httpx
+    ``RemoteProtocolError`` too, ``kvbridge.server.proxy.transport``)."""
+
+
 class TransferError(KVBridgeError):
     """A NIXL transfer failed or could not be built."""
 
