@@ -81,6 +81,12 @@ class ClosedUnanswered(KVBridgeError):
     ``RemoteProtocolError`` too, ``kvbridge.server.proxy.transport``)."""
 
 
+class AnswerTooLarge(KVBridgeError):
+    """An engine's answer passed the proxy's cap on what it reads whole
+    (``max_answer_bytes``): read no further, the connection closed (the proxy raises it as
+    an httpx ``RemoteProtocolError`` too, ``kvbridge.server.proxy.transport``)."""
+
+
 class TransferError(KVBridgeError):
     """A NIXL transfer failed or could not be built."""
 

@@ -126,6 +126,29 @@ def silent(conn: socket.socket) -> None:
     _drain(conn)
 
 
+class Endless:
+    """An answer whose body never ends (``status``; chunked), sent until the client closes
+    the connection; ``sent``: the body's bytes the socket took."""
+
+    CHUNK = b"x" * 65536
+
+    def __init__(self, status: int = 200) -> None:
+        self.status = status
+        self.sent = 0
+        self.closed = threading.Event()
+
+    def __call__(self, conn: socket.socket) -> None:
+        read_request(conn)
+        try:
+            conn.sendall(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n" % self.status)
+            while True:
+                conn.sendall(b"%x\r\n%s\r\n" % (len(self.CHUNK), self.CHUNK))
+                self.sent += len(self.CHUNK)
+        except OSError:
+            self.closed.set()  # the client closed the connection
+
+
 class RawEngine(RawServer):
     """Answers every request, keeping connections alive, except request ``at`` =
     (connection, request on it), both counted from 0, where it calls ``misbehave`` and

@@ -183,6 +183,11 @@ SETTINGS = Tree([
     Setting("max_body_bytes", int, 8 * 1024 * 1024,
             "Largest JSON body the engine API and the proxy read (8 MiB): 413 above it.",
             "limits", env=("KVBRIDGE_MAX_BODY_BYTES",), low=1),
+    Setting("max_answer_bytes", int, 8 * 1024 * 1024,
+            "Largest answer the proxy reads whole from an engine (8 MiB): a prefill's answer "
+            "(one token: a few KiB; an echoed prompt, more) and a decode's error body. Past "
+            "it the client gets a 502 naming this limit and the connection is closed.",
+            "limits", env=("KVBRIDGE_MAX_ANSWER_BYTES",), low=1),
     Setting("max_json_depth", int, 64,
             "Deepest nesting of arrays and objects in a JSON body: 400 above it, checked "
             "before any decoder recurses.", "limits", env=("KVBRIDGE_MAX_JSON_DEPTH",), low=1),

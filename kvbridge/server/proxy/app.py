@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from kvbridge import background
 from kvbridge.guard import ConnectionBudget, GuardedServer, guarded_config
+from kvbridge.limits import MAX_ANSWER_BYTES
 from kvbridge.server.proxy.admin import AdminRoutes
 from kvbridge.server.proxy.engine_client import (
     DEFAULT_CONNECT_TIMEOUT,
@@ -89,15 +90,21 @@ class Proxy:
         if not decodes:
             return proxy_error(503, "no decode instance is known yet", "service_unavailable")
         url = decodes[0]
-        headers = {}
+        headers = {"accept-encoding": "identity"}  # relayed as read, read as sent
         if (auth := request.headers.get("authorization")) is not None:
             headers["authorization"] = auth
+        client = self.engines.http
         try:
-            resp = await self.engines.http.get(url + "/v1/models", headers=headers)
+            resp = await client.send(client.build_request("GET", url + "/v1/models",
+                                                          headers=headers), stream=True)
+            try:
+                content = await self.engines.read_body(resp)
+            finally:
+                await resp.aclose()
         except httpx.HTTPError as exc:
             return transport_error("decode", url, exc)
         return Response(
-            resp.content,
+            content,
             status_code=resp.status_code,
             media_type=resp.headers.get("content-type", "application/json"),
         )
@@ -126,6 +133,7 @@ def build_proxy_app(
     admin_routes: str | None = None,
     metrics_route: str | None = None,
     first_token_from: str = "prefill",
+    max_answer_bytes: int = MAX_ANSWER_BYTES,
 ) -> Starlette:
     """The P/D proxy as a Starlette app.
 
@@ -148,6 +156,9 @@ def build_proxy_app(
     ``first_token_from``: ``"prefill"`` streams a streamed answer's first token as soon as
     the prefill sampled it, and the decode continues after it (``kvbridge.server.proxy.
     first_token``); ``"decode"``: every token from the decode (vLLM's two-hop protocol).
+
+    ``max_answer_bytes``: the most of an engine's answer read whole (a prefill's, a decode's
+    error body); past it a 502 naming the limit, the connection closed.
     """
     router = Router(routing)
     router.add_static("prefill", check_urls("prefill", prefill_urls, registry is not None))
@@ -159,7 +170,8 @@ def build_proxy_app(
         from kvbridge.server.membership import Membership
 
         membership = Membership(EtcdRegistry(registry), router, verify=verify)
-    proxy = Proxy(router, EngineClient(verify, httpx.Timeout(timeout, connect=connect_timeout)),
+    proxy = Proxy(router, EngineClient(verify, httpx.Timeout(timeout, connect=connect_timeout),
+                                       max_answer_bytes),
                   prewarm=prewarm, kv_token=kv_token, prefill_timeout=prefill_timeout,
                   membership=membership, first_token_from=first_token_from)
     if membership is not None:

@@ -13,8 +13,9 @@ import certifi
 import httpx
 from starlette.responses import JSONResponse
 
-from kvbridge.errors import ConfigError
-from kvbridge.server.proxy.transport import AiohttpTransport
+from kvbridge.errors import AnswerTooLarge, ConfigError
+from kvbridge.limits import MAX_ANSWER_BYTES
+from kvbridge.server.proxy.transport import AiohttpTransport, read_at_most
 from kvbridge.server.responses import error_response
 from kvbridge.server.upstream import CLIENT_KEEP_ALIVE
 
@@ -73,11 +74,14 @@ def check_urls(role: str, urls: Sequence[str], allow_none: bool = False) -> list
 
 
 class EngineClient:
-    """The ``httpx.AsyncClient`` every hop, probe, prewarm and release goes through."""
+    """The ``httpx.AsyncClient`` every hop, probe, prewarm and release goes through.
+    ``max_answer_bytes``: the most of an answer it reads whole (``read``, ``read_error``)."""
 
-    def __init__(self, verify: ssl.SSLContext | bool, timeout: httpx.Timeout) -> None:
+    def __init__(self, verify: ssl.SSLContext | bool, timeout: httpx.Timeout,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES) -> None:
         self.verify = verify
         self.timeout = timeout
+        self.max_answer_bytes = max_answer_bytes
         self._client: httpx.AsyncClient | None = None
         self._transport: AiohttpTransport | None = None
 
@@ -103,10 +107,16 @@ class EngineClient:
 
     async def read(self, request: httpx.Request) -> httpx.Response:
         """``request`` (built by ``http``) sent on the same connections, its whole answer
-        read, without httpx's client layer (``AiohttpTransport.read``)."""
+        read (at most ``max_answer_bytes``), without httpx's client layer
+        (``AiohttpTransport.read``)."""
         self.http  # noqa: B018 - opens the client (and its transport) if needed
         assert self._transport is not None
-        return await self._transport.read(request)
+        return await self._transport.read(request, self.max_answer_bytes)
+
+    async def read_body(self, response: httpx.Response) -> bytes:
+        """A streamed answer's body, at most ``max_answer_bytes`` (``AnswerTooLargeError``
+        past it; the caller's ``aclose`` then closes the connection)."""
+        return await read_at_most(response, self.max_answer_bytes)
 
     async def aclose(self) -> None:
         client, self._client = self._client, None
@@ -141,8 +151,11 @@ def upstream_reason(resp: httpx.Response) -> tuple[str, str | None, Any, str | N
 
 
 def transport_error(role: str, url: str, exc: httpx.HTTPError) -> JSONResponse:
-    """502/504 for an engine that could not be reached or did not answer in time."""
+    """502/504 for an engine that could not be reached, did not answer in time, or
+    answered more than the proxy reads."""
     detail = str(exc) or type(exc).__name__
+    if isinstance(exc, AnswerTooLarge):
+        return proxy_error(502, f"{role} {url}: {detail}")
     if isinstance(exc, httpx.TimeoutException):
         return proxy_error(504, f"{role} {url} timed out ({type(exc).__name__}): {detail}",
                            "timeout")

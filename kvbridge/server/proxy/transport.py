@@ -41,15 +41,47 @@ import aiohttp
 import certifi
 import httpx
 
-from kvbridge.errors import ClosedUnanswered
+from kvbridge.errors import AnswerTooLarge, ClosedUnanswered
+from kvbridge.limits import MAX_ANSWER_BYTES
 from kvbridge.server.upstream import NEW_CONNECTION
 
-__all__ = ["AiohttpTransport", "ClosedUnansweredError"]
+__all__ = ["AiohttpTransport", "AnswerTooLargeError", "ClosedUnansweredError", "read_at_most"]
 
 
 class ClosedUnansweredError(httpx.RemoteProtocolError, ClosedUnanswered):
     """``ClosedUnanswered`` as the httpx exception the failover rules read (a protocol
     error: a decode that raises it twice is a dead decode)."""
+
+
+class AnswerTooLargeError(httpx.RemoteProtocolError, AnswerTooLarge):
+    """``AnswerTooLarge`` as an httpx exception: an engine that broke the protocol's bounds."""
+
+    def __init__(self, limit: int, request: httpx.Request) -> None:
+        super().__init__(f"the answer passed the proxy's limit of {limit} bytes "
+                         "(KVBRIDGE_MAX_ANSWER_BYTES)", request=request)
+        self.limit = limit
+
+
+def _too_large(declared: str | int | None, limit: int) -> bool:
+    try:
+        return declared is not None and int(declared) > limit
+    except ValueError:
+        return False  # a malformed length: the parser's to refuse
+
+
+async def read_at_most(response: httpx.Response, limit: int) -> bytes:
+    """A streamed ``response``'s body, read no further than ``limit`` bytes: past it (or
+    declared past it) an ``AnswerTooLargeError``, and the caller's ``aclose`` closes the
+    connection (a body not read to its end is never pooled)."""
+    if _too_large(response.headers.get("content-length"), limit):
+        raise AnswerTooLargeError(limit, response.request)
+    chunks, size = [], 0
+    async for chunk in response.aiter_raw():
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLargeError(limit, response.request)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _ssl_arg(verify: ssl.SSLContext | bool) -> ssl.SSLContext | bool:
@@ -200,17 +232,31 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         except _FAILURES as exc:
             raise _translate(exc, request, _when(exc, False, attempt.reused)) from exc
 
-    async def read(self, request: httpx.Request) -> httpx.Response:
+    async def read(self, request: httpx.Request,
+                   limit: int = MAX_ANSWER_BYTES) -> httpx.Response:
         """``request`` sent and its whole answer read, without httpx's client around it
         (auth, redirects, cookies: none of which the proxy uses): the prefill hop, where
-        the client's own time is before the first token (BENCHMARKS.md §9)."""
+        the client's own time is before the first token (BENCHMARKS.md §9). An answer
+        longer than ``limit`` bytes is an ``AnswerTooLargeError``: read no further, its
+        connection closed."""
         response = await self._send(request)
         try:
-            content = await response.read()
+            if _too_large(response.content_length, limit):
+                raise AnswerTooLargeError(limit, request)
+            chunks, size = [], 0
+            async for chunk in response.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    raise AnswerTooLargeError(limit, request)
+                chunks.append(chunk)
+            content = b"".join(chunks)
         except _FAILURES as exc:
+            response.close()
             raise _translate(exc, request, _When.BODY) from exc
-        finally:
-            response.release()
+        except AnswerTooLargeError:
+            response.close()  # the rest unread: the connection is not reused
+            raise
+        response.release()
         return httpx.Response(response.status, headers=list(response.raw_headers),
                               content=content, request=request,
                               extensions={"http_version": b"HTTP/1.1"})
