@@ -13,6 +13,7 @@ import json
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 from tests.helpers import RawServer
@@ -145,6 +146,27 @@ class Endless:
             while True:
                 conn.sendall(b"%x\r\n%s\r\n" % (len(self.CHUNK), self.CHUNK))
                 self.sent += len(self.CHUNK)
+        except OSError:
+            self.closed.set()  # the client closed the connection
+
+
+class Trickle:
+    """An answer sent one byte every ``period`` seconds, its head included: each read of
+    the client gets a byte within any read timeout longer than the period, and the whole
+    answer (a megabyte) would take days. Until the client closes (``closed`` set then)."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self.closed = threading.Event()
+
+    def __call__(self, conn: socket.socket) -> None:
+        read_request(conn)
+        answer = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                  b"content-length: 1000000\r\n\r\n" + b" " * 1000000)
+        try:
+            for i in range(len(answer)):
+                conn.sendall(answer[i:i + 1])
+                time.sleep(self.period)  # the engine's own pace
         except OSError:
             self.closed.set()  # the client closed the connection
 

@@ -790,7 +790,7 @@ def test_prefill_timeout_fails_over_to_another_prefill(serve: Serve) -> None:
     (decode,) = _engines(serve, "decode", 1)
     slow.hold = threading.Event()
     try:
-        with _proxy(serve, [slow, fast], [decode], timeout=60.0, prefill_timeout=2.0) as client:
+        with _proxy(serve, [slow, fast], [decode], timeout=60.0, prefill_timeout=1.0) as client:
             for _ in range(2):
                 r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
                 assert r.status_code == 200, r.text

@@ -1,14 +1,19 @@
 """What the proxy takes from an engine is bounded: an answer it reads whole stops at
-``max_answer_bytes`` (502 naming the limit, the connection closed), and a decode's error
-reaches a streamed client as one event of the proxy's own encoding. Real engines on
-loopback: raw sockets that stream without end (tests/raw_engine.py) and stand-in apps."""
+``max_answer_bytes`` (502 naming the limit, the connection closed); a prefill hop, and a
+decode's first byte, have a deadline in all (504 or another instance), however the engine
+trickles; and a decode's error reaches a streamed client as one event of the proxy's own
+encoding. Real engines on loopback: raw sockets that stream without end or trickle
+(tests/raw_engine.py) and stand-in apps."""
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
-from tests.raw_engine import Endless, RawEngine, read_request
+import pytest
+
+from tests.raw_engine import Endless, RawEngine, Trickle, read_request
 from tests.test_proxy import FakeEngine, Serve, _engines, _first_token_prefill, _proxy
 from tests.test_proxy import serve as _serve
 
@@ -115,3 +120,72 @@ def test_models_read_at_most_the_cap(serve: Serve) -> None:
         with _proxy(serve, [prefill], [decode], max_answer_bytes=CAP) as client:
             r = client.get("/v1/models")
     assert r.status_code == 502 and "KVBRIDGE_MAX_ANSWER_BYTES" in r.text, r.text
+
+
+# -- deadlines: a byte every PERIOD keeps every read alive, never the hop ------------------
+
+PERIOD = 0.1
+# Far past the deadlines the tests set (1 s), far below the trickled answer's days.
+BOUND = 20.0
+
+
+@pytest.mark.parametrize(("timeouts", "flag"), [({"timeout": 5.0, "prefill_timeout": 1.0},
+                                                 "--prefill-timeout"),
+                                                ({"timeout": 1.0}, "--timeout")])
+def test_a_trickling_prefill_is_given_up_at_its_deadline(serve: Serve, timeouts: dict,
+                                                        flag: str) -> None:
+    trickle = Trickle(PERIOD)
+    with RawEngine(trickle, at=(0, 0)) as raw:
+        (decode,) = _engines(serve, "decode", 1)
+        with _proxy(serve, [_raw_prefill(raw)], [decode], **timeouts) as client:
+            t0 = time.monotonic()
+            r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            took = time.monotonic() - t0
+            assert trickle.closed.wait(10)  # the proxy closed the connection
+    assert r.status_code == 504 and flag in r.json()["error"]["message"], r.text
+    assert took < BOUND
+    assert decode.calls == []
+
+
+def test_a_trickling_prefill_fails_over_to_another_at_the_prefill_timeout(serve: Serve
+                                                                          ) -> None:
+    trickle = Trickle(PERIOD)
+    with RawEngine(trickle, at=(0, 0)) as raw:
+        (fast,) = _engines(serve, "prefill", 1)
+        (decode,) = _engines(serve, "decode", 1)
+        with _proxy(serve, [_raw_prefill(raw), fast], [decode], prefill_timeout=1.0) as client:
+            while not trickle.closed.is_set():  # until a request was routed to the trickle
+                r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+                assert r.status_code == 200, r.text
+    assert fast.calls
+
+
+def test_a_decode_trickling_its_head_is_given_up_at_the_timeout(serve: Serve) -> None:
+    (prefill,) = _engines(serve, "prefill", 1)
+    trickle = Trickle(PERIOD)
+    with RawEngine(trickle, at=(0, 0)) as raw:
+        decode = FakeEngine("d0", "decode")
+        decode.url = raw.url
+        with _proxy(serve, [prefill], [decode], timeout=1.0) as client:
+            t0 = time.monotonic()
+            r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            took = time.monotonic() - t0
+    assert r.status_code == 504, r.text
+    assert "no first byte within 1s (--timeout)" in r.json()["error"]["message"]
+    assert took < BOUND
+
+
+def test_a_decode_trickling_after_the_first_token_is_given_up_at_the_timeout(
+        serve: Serve) -> None:
+    prefill = _first_token_prefill(serve)
+    with RawEngine(Trickle(PERIOD), at=(0, 0)) as raw:
+        decode = FakeEngine("d0", "decode")
+        decode.url = raw.url
+        with _proxy(serve, [prefill], [decode], timeout=1.0) as client:
+            t0 = time.monotonic()
+            r = client.post("/v1/completions", json={"prompt": "x", "stream": True})
+            took = time.monotonic() - t0
+    first, error, done = _events(r.text)
+    assert first["choices"][0]["text"] == "x" and done == "[DONE]"
+    assert "no decode instance could continue" in error["error"]["message"]
+    assert took < BOUND

@@ -266,11 +266,17 @@ SETTINGS = Tree([
     Setting("routing", str, "least-outstanding",
             "How the proxy picks among compatible instances.", "proxy", flag="--routing",
             choices=ROUTING_POLICIES),
-    Setting("timeout", float, 300.0, "Seconds a request through the proxy may take.", "proxy",
+    Setting("timeout", float, 300.0,
+            "Seconds the proxy waits for an engine, in all: the prefill hop's whole answer "
+            "(unless `prefill_timeout`), a decode's first byte, and each read and write. "
+            "Past it a 504 (or another decode, where one may continue). A streamed answer "
+            "runs on as long as its bytes keep coming.", "proxy",
             flag="--timeout", low=0.0, low_open=True),
     Setting("prefill_timeout", float, None,
-            "Seconds the prefill hop may take before the client gets a 504 (unset: "
-            "`timeout`).", "proxy", flag="--prefill-timeout", low=0.0, low_open=True),
+            "Seconds the prefill hop may take in all, however its answer trickles (its one "
+            "resend on a new connection included): past it another prefill is tried, or the "
+            "client gets a 504 naming this flag (unset: `timeout`).", "proxy",
+            flag="--prefill-timeout", low=0.0, low_open=True),
     Setting("first_token_from", str, "prefill",
             "Where a streamed answer's first token comes from: `prefill` sends it as soon as "
             "the prefill sampled it and the decode continues after it "

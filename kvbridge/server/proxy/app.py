@@ -141,11 +141,13 @@ def build_proxy_app(
     ``routing`` picks among them (see ``kvbridge.server.routing``).
 
     ``ca_certs`` verifies https engines (default: certifi's bundle); ``client_cert`` is a
-    (certfile, keyfile) pair presented for mTLS. ``timeout`` bounds each read/write towards an
-    engine, ``connect_timeout`` each connection attempt. With ``prewarm`` the proxy tells
+    (certfile, keyfile) pair presented for mTLS. ``timeout`` bounds, in all, the prefill
+    hop and a decode's answer up to its first byte, and each read/write towards an engine;
+    ``connect_timeout`` each connection attempt. With ``prewarm`` the proxy tells
     every decode, at start-up, to handshake with every prefill (``kv_token``: the
     side-channel token the decodes require for that). ``prefill_timeout`` bounds the
-    prefill hop alone (default: ``timeout``): past it the client gets a 504 saying so.
+    prefill hop alone, in all (default: ``timeout``): past it another prefill is tried, or
+    the client gets a 504 saying so.
 
     The admin routes (``/v1/fleet``, ``/healthz/backends``, ``GET /v1/kv/prewarm``) are
     ``admin_routes``: ``"off"`` (not served), ``"token"`` (``Authorization: Bearer

@@ -3,6 +3,7 @@ an engine's failure reads to the proxy's client (OpenAI-shaped errors)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import ssl
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "HEALTH_TIMEOUT",
     "EngineClient",
+    "Deadline",
     "check_urls",
     "dumps",
     "proxy_error",
@@ -32,11 +34,37 @@ __all__ = [
     "upstream_reason",
 ]
 
-# Read/write timeout per operation: a long prompt's prefill or a long non-streamed generation
-# sends nothing until it is done, so this is generous; connecting should be quick.
+# Seconds an engine may take: each read and write, a prefill hop's whole answer, a decode's
+# first byte. A long prompt's prefill or a long non-streamed generation sends nothing until
+# it is done, so this is generous; connecting should be quick.
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 HEALTH_TIMEOUT = 5.0  # health probes, releases, shutdown's wait for them
+
+
+class Deadline:
+    """A hop's total deadline, ``seconds`` from now: the engine client's timeouts bound each
+    read, and an engine trickling a byte at a time never trips them. ``async with`` it
+    around each step of the hop (it can be entered again, the deadline stays); past it,
+    ``httpx.ReadTimeout`` saying ``what`` did not come in time, which the failover rules
+    read as any timeout. Not across a ``yield`` of an async generator."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.when = asyncio.get_running_loop().time() + seconds
+        self.what = what
+        self._timeout: asyncio.Timeout | None = None
+
+    async def __aenter__(self) -> None:
+        self._timeout = asyncio.timeout_at(self.when)
+        await self._timeout.__aenter__()
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        timeout, self._timeout = self._timeout, None
+        assert timeout is not None
+        try:
+            return await timeout.__aexit__(*exc)
+        except TimeoutError as e:
+            raise httpx.ReadTimeout(self.what) from e
 
 
 def dumps(obj: Any) -> bytes:
@@ -117,6 +145,11 @@ class EngineClient:
         """A streamed answer's body, at most ``max_answer_bytes`` (``AnswerTooLargeError``
         past it; the caller's ``aclose`` then closes the connection)."""
         return await read_at_most(response, self.max_answer_bytes)
+
+    def first_byte(self) -> Deadline:
+        """A decode's deadline for its answer's head and first chunk (``timeout``)."""
+        seconds = self.timeout.read or DEFAULT_TIMEOUT
+        return Deadline(seconds, f"no first byte within {seconds:g}s (--timeout)")
 
     async def aclose(self) -> None:
         client, self._client = self._client, None
