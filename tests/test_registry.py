@@ -112,7 +112,9 @@ def test_lease_lost_registers_again(etcd):
         lease = registrar.lease
         reg.revoke(lease)  # from outside: the record goes with it
         # the count moves after the write, so wait on it (not on the key) before reading it
-        _wait(lambda: registrar.registrations == 2, 10, "registered again")
+        # at least 2: on loaded cores a keep-alive of the 2 s lease can come too late, and
+        # the registrar registers once more (== 2 then never held)
+        _wait(lambda: registrar.registrations >= 2, 10, "registered again")
         assert instance_key(_record()) in reg.get_prefix(INSTANCES_PREFIX)[0]
         assert registrar.lease.id != lease.id
     finally:
