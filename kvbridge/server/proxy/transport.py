@@ -102,7 +102,6 @@ class _When(enum.Enum):
 
 
 _ANY = frozenset(_When)
-_UNANSWERED = frozenset({_When.UNANSWERED_REUSED, _When.UNANSWERED_NEW})
 # The connection closed, reset, or failed under a write: whatever aiohttp calls it.
 _CLOSED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
            aiohttp.ClientConnectionResetError, ConnectionError)
