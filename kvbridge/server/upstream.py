@@ -21,18 +21,18 @@ CLIENT_KEEP_ALIVE = 4.0
 # A request extension: send it on a connection of its own, not one from the pool.
 NEW_CONNECTION = "kvbridge.new_connection"
 
-# Failures before a byte of the request left, or on a reused connection the engine closed
-# without a byte of answer (the transport's ``ClosedUnanswered``, which says how it tells
-# that from an engine that may have started on the request): safe to send again.
-_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, ClosedUnanswered)
+# Failures before a byte of the request left: safe to send again.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 def never_reached(exc: httpx.HTTPError) -> bool:
     """The engine cannot have acted on the request: it was never sent, or the engine closed
-    the reused keep-alive connection without a byte of answer. An engine that read a
-    request answers it, even with a 500; closing unanswered is how an idle connection it
-    is closing looks when our request crosses the close."""
-    return isinstance(exc, _NOT_SENT)
+    the reused keep-alive connection without a byte of answer (an error raised from
+    ``ClosedUnanswered``: kvbridge.server.proxy.transport says how it tells that from an
+    engine that may have started on the request). An engine that read a request answers
+    it, even with a 500; closing unanswered is how an idle connection it is closing looks
+    when our request crosses the close."""
+    return isinstance(exc, _NOT_SENT) or isinstance(exc.__cause__, ClosedUnanswered)
 
 
 async def send_retrying_once(

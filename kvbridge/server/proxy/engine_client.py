@@ -142,8 +142,9 @@ class EngineClient:
         return await self._transport.read(request, self.max_answer_bytes)
 
     async def read_body(self, response: httpx.Response) -> bytes:
-        """A streamed answer's body, at most ``max_answer_bytes`` (``AnswerTooLargeError``
-        past it; the caller's ``aclose`` then closes the connection)."""
+        """A streamed answer's body, at most ``max_answer_bytes`` (an httpx error raised
+        from ``AnswerTooLarge`` past it; the caller's ``aclose`` then closes the
+        connection)."""
         return await read_at_most(response, self.max_answer_bytes)
 
     def first_byte(self) -> Deadline:
@@ -187,7 +188,7 @@ def transport_error(role: str, url: str, exc: httpx.HTTPError) -> JSONResponse:
     """502/504 for an engine that could not be reached, did not answer in time, or
     answered more than the proxy reads."""
     detail = str(exc) or type(exc).__name__
-    if isinstance(exc, AnswerTooLarge):
+    if isinstance(exc.__cause__, AnswerTooLarge):
         return proxy_error(502, f"{role} {url}: {detail}")
     if isinstance(exc, httpx.TimeoutException):
         return proxy_error(504, f"{role} {url} timed out ({type(exc).__name__}): {detail}",

@@ -45,21 +45,14 @@ from kvbridge.errors import AnswerTooLarge, ClosedUnanswered
 from kvbridge.limits import MAX_ANSWER_BYTES
 from kvbridge.server.upstream import NEW_CONNECTION
 
-__all__ = ["AiohttpTransport", "AnswerTooLargeError", "ClosedUnansweredError", "read_at_most"]
+__all__ = ["AiohttpTransport", "read_at_most", "too_large"]
 
 
-class ClosedUnansweredError(httpx.RemoteProtocolError, ClosedUnanswered):
-    """``ClosedUnanswered`` as the httpx exception the failover rules read (a protocol
-    error: a decode that raises it twice is a dead decode)."""
-
-
-class AnswerTooLargeError(httpx.RemoteProtocolError, AnswerTooLarge):
-    """``AnswerTooLarge`` as an httpx exception: an engine that broke the protocol's bounds."""
-
-    def __init__(self, limit: int, request: httpx.Request) -> None:
-        super().__init__(f"the answer passed the proxy's limit of {limit} bytes "
-                         "(KVBRIDGE_MAX_ANSWER_BYTES)", request=request)
-        self.limit = limit
+def too_large(limit: int, request: httpx.Request) -> httpx.RemoteProtocolError:
+    """The httpx error of an answer past ``limit``, raised from ``AnswerTooLarge``."""
+    error = httpx.RemoteProtocolError(str(AnswerTooLarge(limit)), request=request)
+    error.__cause__ = AnswerTooLarge(limit)
+    return error
 
 
 def _too_large(declared: str | int | None, limit: int) -> bool:
@@ -71,15 +64,15 @@ def _too_large(declared: str | int | None, limit: int) -> bool:
 
 async def read_at_most(response: httpx.Response, limit: int) -> bytes:
     """A streamed ``response``'s body, read no further than ``limit`` bytes: past it (or
-    declared past it) an ``AnswerTooLargeError``, and the caller's ``aclose`` closes the
+    declared past it) ``too_large``'s error, and the caller's ``aclose`` closes the
     connection (a body not read to its end is never pooled)."""
     if _too_large(response.headers.get("content-length"), limit):
-        raise AnswerTooLargeError(limit, response.request)
+        raise too_large(limit, response.request)
     chunks, size = [], 0
     async for chunk in response.aiter_raw():
         size += len(chunk)
         if size > limit:
-            raise AnswerTooLargeError(limit, response.request)
+            raise too_large(limit, response.request)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -106,23 +99,25 @@ _ANY = frozenset(_When)
 _CLOSED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
            aiohttp.ClientConnectionResetError, ConnectionError)
 
-# aiohttp's (or asyncio's) failure, when, as httpx's, with this message ("{}": aiohttp's).
-# The first row that matches wins: connector errors and timeouts are OSErrors too.
+# aiohttp's (or asyncio's) failure, when, as httpx's, with this message ("{}": aiohttp's),
+# raised from a ``ClosedUnanswered`` where the last column says so (the failover rules read
+# it: ``never_reached``), else from aiohttp's own. The first row that matches wins:
+# connector errors and timeouts are OSErrors too.
 _TRANSLATION: tuple[tuple[tuple[type[BaseException], ...], frozenset[_When],
-                          type[httpx.HTTPError], str], ...] = (
-    ((aiohttp.ConnectionTimeoutError,), _ANY, httpx.ConnectTimeout, "{}"),
-    ((aiohttp.ClientConnectorError,), _ANY, httpx.ConnectError, "{}"),  # refused, DNS, TLS
-    ((TimeoutError,), _ANY, httpx.ReadTimeout, "{}"),  # aiohttp's SocketTimeoutError too
-    (_CLOSED, frozenset({_When.UNANSWERED_REUSED}), ClosedUnansweredError,
-     "the engine closed a reused connection without answering ({})"),
+                          type[httpx.HTTPError], str, bool], ...] = (
+    ((aiohttp.ConnectionTimeoutError,), _ANY, httpx.ConnectTimeout, "{}", False),
+    ((aiohttp.ClientConnectorError,), _ANY, httpx.ConnectError, "{}", False),  # refused, TLS
+    ((TimeoutError,), _ANY, httpx.ReadTimeout, "{}", False),  # SocketTimeoutError too
+    (_CLOSED, frozenset({_When.UNANSWERED_REUSED}), httpx.RemoteProtocolError,
+     "the engine closed a reused connection without answering ({})", True),
     (_CLOSED, frozenset({_When.UNANSWERED_NEW}), httpx.RemoteProtocolError,
-     "Server disconnected without sending a response ({})."),
+     "Server disconnected without sending a response ({}).", False),
     (_CLOSED, frozenset({_When.HEAD}), httpx.RemoteProtocolError,
-     "peer closed connection inside its answer's head ({})"),
+     "peer closed connection inside its answer's head ({})", False),
     ((aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError), frozenset({_When.BODY}),
      httpx.RemoteProtocolError,
-     "peer closed connection without sending complete message body ({})"),
-    ((BaseException,), _ANY, httpx.ReadError, "{}"),  # a malformed head, a broken body
+     "peer closed connection without sending complete message body ({})", False),
+    ((BaseException,), _ANY, httpx.ReadError, "{}", False),  # a malformed head, broken body
 )
 
 _FAILURES = (aiohttp.ClientError, TimeoutError, OSError)
@@ -139,11 +134,18 @@ def _when(exc: BaseException, started: bool, reused: bool) -> _When:
 
 
 def _translate(exc: BaseException, request: httpx.Request, when: _When) -> httpx.HTTPError:
-    """aiohttp's (or asyncio's) failure as httpx's (``_TRANSLATION``)."""
+    """aiohttp's (or asyncio's) failure as httpx's (``_TRANSLATION``), its cause set:
+    raise it ``from`` its own ``__cause__``."""
     text = str(exc) or type(exc).__name__
-    for kinds, whens, httpx_type, message in _TRANSLATION:
+    for kinds, whens, httpx_type, message, unanswered in _TRANSLATION:
         if isinstance(exc, kinds) and when in whens:
-            return httpx_type(message.format(text), request=request)
+            error = httpx_type(message.format(text), request=request)
+            cause: BaseException = exc
+            if unanswered:
+                cause = ClosedUnanswered(text)
+                cause.__cause__ = exc
+            error.__cause__ = cause
+            return error
     raise AssertionError("the last row matches everything")  # pragma: no cover
 
 
@@ -179,7 +181,8 @@ class _Body(httpx.AsyncByteStream):
             async for chunk in self._response.content.iter_any():
                 yield chunk
         except _FAILURES as exc:
-            raise _translate(exc, self._request, _When.BODY) from exc
+            error = _translate(exc, self._request, _When.BODY)
+            raise error from error.__cause__
 
     async def aclose(self) -> None:
         # Read to the end: the connection goes back to the pool; cut short: it is closed.
@@ -229,30 +232,32 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 timeout=timeout, allow_redirects=False, compress=None,
                 trace_request_ctx=attempt)
         except _FAILURES as exc:
-            raise _translate(exc, request, _when(exc, False, attempt.reused)) from exc
+            error = _translate(exc, request, _when(exc, False, attempt.reused))
+            raise error from error.__cause__
 
     async def read(self, request: httpx.Request,
                    limit: int = MAX_ANSWER_BYTES) -> httpx.Response:
         """``request`` sent and its whole answer read, without httpx's client around it
         (auth, redirects, cookies: none of which the proxy uses): the prefill hop, where
         the client's own time is before the first token (BENCHMARKS.md §9). An answer
-        longer than ``limit`` bytes is an ``AnswerTooLargeError``: read no further, its
+        longer than ``limit`` bytes is ``too_large``'s error: read no further, its
         connection closed."""
         response = await self._send(request)
         try:
             if _too_large(response.content_length, limit):
-                raise AnswerTooLargeError(limit, request)
+                raise too_large(limit, request)
             chunks, size = [], 0
             async for chunk in response.content.iter_any():
                 size += len(chunk)
                 if size > limit:
-                    raise AnswerTooLargeError(limit, request)
+                    raise too_large(limit, request)
                 chunks.append(chunk)
             content = b"".join(chunks)
         except _FAILURES as exc:
             response.close()
-            raise _translate(exc, request, _When.BODY) from exc
-        except AnswerTooLargeError:
+            error = _translate(exc, request, _When.BODY)
+            raise error from error.__cause__
+        except httpx.RemoteProtocolError:  # too large
             response.close()  # the rest unread: the connection is not reused
             raise
         response.release()
