@@ -41,7 +41,7 @@ PROXY = ["routing", "host", "port", "timeout", "prefill_timeout", "first_token_f
          "admin_routes", "metrics_route"]
 # Settings with no flag, read from the environment where they are used (kvbridge.limits,
 # kvbridge._nixl): checked when a server starts, so a bad one is one line.
-ENV_ONLY = ["max_body_bytes", "max_json_depth", "nixl_progress_delay_us"]
+ENV_ONLY = ["max_body_bytes", "max_answer_bytes", "max_json_depth", "nixl_progress_delay_us"]
 # Settings SideChannelConfig.load resolves itself (the side channel's TLS falls back to
 # the API's flags before the environment): not filled in by parse_args.
 _RAW = {SETTINGS[n].argparse_dest for n in SIDE_CHANNEL + REGISTRY}

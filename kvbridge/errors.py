@@ -79,6 +79,24 @@ class WatchCompacted(RegistryError):
     """The revision to resume from is gone: list again, then watch."""
 
 
+class ClosedUnanswered(KVBridgeError):
+    """An engine closed a reused keep-alive connection without a byte of answer to the
+    request on it: the request never reached it, and is sent once more on a new connection
+    (``kvbridge.server.upstream.send_retrying_once``). The proxy's transport raises an httpx
+    ``RemoteProtocolError`` from it (its ``__cause__``), which the failover rules read."""
+
+
+class AnswerTooLarge(KVBridgeError):
+    """An engine's answer passed the proxy's cap on what it reads whole
+    (``max_answer_bytes``): read no further, the connection closed. The proxy's transport
+    raises an httpx ``RemoteProtocolError`` from it (its ``__cause__``)."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"the answer passed the proxy's limit of {limit} bytes "
+                         "(KVBRIDGE_MAX_ANSWER_BYTES)")
+        self.limit = limit
+
+
 class TransferError(KVBridgeError):
     """A NIXL transfer failed or could not be built."""
 

@@ -22,6 +22,7 @@ from kvbridge.errors import RequestError
 from kvbridge.settings import SETTINGS
 
 __all__ = [
+    "MAX_ANSWER_BYTES",
     "MAX_BODY_BYTES",
     "MAX_JSON_DEPTH",
     "check_json_body",
@@ -34,6 +35,8 @@ __all__ = [
 # Largest request body (bytes) the engine API and the proxy decode: a long prompt as text
 # or token ids fits many times over.
 MAX_BODY_BYTES: int = SETTINGS.from_env("max_body_bytes")  # KVBRIDGE_MAX_BODY_BYTES
+# Largest engine answer (bytes) the proxy reads whole: a prefill's, a decode's error body.
+MAX_ANSWER_BYTES: int = SETTINGS.from_env("max_answer_bytes")  # KVBRIDGE_MAX_ANSWER_BYTES
 # Deepest nesting of arrays/objects accepted; OpenAI requests nest about 5 levels.
 MAX_JSON_DEPTH: int = SETTINGS.from_env("max_json_depth")  # KVBRIDGE_MAX_JSON_DEPTH
 

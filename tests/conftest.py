@@ -28,6 +28,8 @@ SLOW = (
     "tests/e2e/test_demo.py",  # the SmolLM2 demos
     "tests/e2e/test_real_model.py",
     "tests/test_real_model.py",  # transformers against SmolLM2
+    "tests/test_install.py::test_the_vllm_plugin_loads_without_extras",  # imports vLLM
+    "tests/test_model_prepare.py::test_prepare_writes_a_complete_checkpoint_once",  # SmolLM2
     "tests/e2e/test_fleet.py",  # an etcd fleet, leases running out
     "tests/e2e/test_faults.py",  # prefills killed and restarted, a drain
     "tests/e2e/test_hostile.py",  # servers of its own, flooded
@@ -35,6 +37,8 @@ SLOW = (
     "tests/e2e/test_kv_lifecycle.py::test_a_read_slower_than_the_lease_is_given_up_and_recomputed",
     "tests/e2e/test_kv_lifecycle.py::test_a_prefill_killed_mid_read",
     "tests/test_bench.py::test_serve",  # whole benchmarks, several servers each
+    "tests/test_bench.py::test_handshake",
+    "tests/test_bench.py::test_sidechannel",
     "tests/test_bench.py::test_fleet",
     "tests/test_bench.py::test_hostile",
     "tests/test_bench.py::test_transfer_netns",

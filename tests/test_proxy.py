@@ -31,7 +31,9 @@ from starlette.routing import Route
 from kvbridge.errors import ConfigError
 from kvbridge.server.proxy import build_proxy_app
 from kvbridge.testing.certs import issue, new_ca
+from tests import raw_engine
 from tests.helpers import RawServer, read_request, wait_until
+from tests.raw_engine import RawEngine
 
 PREFILL_KV_PARAMS = {
     "do_remote_decode": True,
@@ -698,69 +700,62 @@ def test_prefill_timeout_is_a_504_naming_the_flag(serve: Serve) -> None:
     assert decode.calls == []
 
 
-class _ClosesFirstConnection:
-    """An HTTP/1.1 server that closes its first connection without a byte of answer (as an
-    engine closing an idle keep-alive connection just as a request crosses it), then
-    answers every request like a prefill."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.connections = 0
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        body = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": None}).encode()
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            with conn:
-                if self.connections == 1:
-                    # closed unanswered: FIN first, so the client reads an end of stream
-                    conn.shutdown(socket.SHUT_WR)
-                    while conn.recv(65536):
-                        pass
-                    continue
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data += conn.recv(65536)
-                head, _, rest = data.partition(b"\r\n\r\n")
-                length = int(
-                    next(
-                        (
-                            line.split(b":")[1]
-                            for line in head.split(b"\r\n")
-                            if line.lower().startswith(b"content-length")
-                        ),
-                        0,
-                    )
-                )
-                while len(rest) < length:
-                    rest += conn.recv(65536)
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                    b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body
-                )
+# Each way an engine can close a reused connection without answering (tests/raw_engine.py),
+# with the request body that provokes it: the close after the head needs a body larger
+# than the buffers, so that it lands while the body is being written.
+UNANSWERED = {
+    "close-before-the-head-is-read": (raw_engine.close_before_head, "x"),
+    "close-after-the-head-while-the-body-is-sent": (raw_engine.close_in_body, " " * (6 << 20)),
+    "reset-before-the-status-line": (raw_engine.reset_unanswered, "x"),
+    "eof-before-the-status-line": (raw_engine.eof_before_status, "x"),
+}
 
 
-def test_request_closed_unanswered_is_sent_once_more(serve: Serve) -> None:
-    prefill = _ClosesFirstConnection()
-    (decode,) = _engines(serve, "decode", 1)
-    fake = FakeEngine("p0", "prefill")
-    fake.url = prefill.url
-    try:
-        with _proxy(serve, [fake], [decode], prewarm=False) as client:
-            r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
-    finally:
-        prefill.sock.close()
-    assert r.status_code == 200, r.text
-    assert prefill.connections == 2
-    assert len(decode.calls) == 1
+@pytest.mark.parametrize("hop", ["prefill", "decode"])
+@pytest.mark.parametrize("variant", list(UNANSWERED))
+def test_request_closed_unanswered_is_sent_once_more(serve: Serve, variant: str,
+                                                     hop: str) -> None:
+    """The engine answers a first request on a connection, then closes that kept-alive
+    connection without answering the second: the second is sent once more, on a new
+    connection, to the same engine (no failover: there is no other)."""
+    misbehave, prompt = UNANSWERED[variant]
+    (fake,) = _engines(serve, hop, 1)
+    with RawEngine(misbehave) as raw:
+        fake.url = raw.url
+        prefill, decode = (fake, _engines(serve, "decode", 1)[0]) if hop == "prefill" else (
+            _engines(serve, "prefill", 1)[0], fake)
+        with _proxy(serve, [prefill], [decode]) as client:
+            for body in ({"model": "m", "prompt": "x"}, {"model": "m", "prompt": prompt}):
+                r = client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+            metrics = client.get("/metrics").text
+        assert (raw.connections, raw.answered) == (2, 2)
+    assert "kvbridge_proxy_failovers_total{" not in metrics
+    assert f'upstream_errors_total{{stage="{hop}"}}' not in metrics
+
+
+def test_a_release_closed_unanswered_is_sent_once_more() -> None:
+    """A release on a reused connection the prefill closes unanswered reaches it after
+    all (the lease would otherwise hold the blocks)."""
+    from kvbridge.server.proxy.engine_client import EngineClient
+    from kvbridge.server.proxy.metrics import ProxyMetrics
+    from kvbridge.server.proxy.release import Releaser
+    from kvbridge.server.proxy.tasks import TaskSet
+
+    async def main(url: str) -> bytes:
+        engines = EngineClient(True, httpx.Timeout(5.0))
+        metrics = ProxyMetrics()
+        releaser = Releaser(engines, metrics, TaskSet(), None)
+        try:
+            assert (await engines.http.get(url + "/v1/models")).status_code == 200
+            await releaser.release(url, {"remote_block_ids": [1]}, "r1")
+        finally:
+            await engines.aclose()
+        return metrics.render()
+
+    with RawEngine(raw_engine.eof_before_status) as raw:
+        assert b'kvbridge_proxy_kv_releases_total{outcome="ok"} 1.0' in anyio.run(main, raw.url)
+        assert (raw.connections, raw.answered) == (2, 2)
 
 
 def test_prewarm_refused_for_want_of_the_token_is_counted_and_logged(
@@ -795,7 +790,7 @@ def test_prefill_timeout_fails_over_to_another_prefill(serve: Serve) -> None:
     (decode,) = _engines(serve, "decode", 1)
     slow.hold = threading.Event()
     try:
-        with _proxy(serve, [slow, fast], [decode], timeout=60.0, prefill_timeout=2.0) as client:
+        with _proxy(serve, [slow, fast], [decode], timeout=60.0, prefill_timeout=1.0) as client:
             for _ in range(2):
                 r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
                 assert r.status_code == 200, r.text

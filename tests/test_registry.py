@@ -74,14 +74,16 @@ def test_record_round_trip_and_strictness():
 def test_register_keepalive_update_deregister(etcd):
     reg = EtcdRegistry(parse_registry_url(etcd.url))
     load = {"n": 0}
-    registrar = Registrar(reg, lambda: _record(load=load["n"]), ttl=2).start()
+    # A 4 s lease, kept alive every 1.3 s: a keep-alive late by 2.6 s (a 2 s lease left
+    # 1.3 s, which loaded cores overran: the lease lapsed and it registered again).
+    registrar = Registrar(reg, lambda: _record(load=load["n"]), ttl=4).start()
     assert registrar.wait_registered(5)
     key = instance_key(_record())
     assert key == INSTANCES_PREFIX + "prefill/e1"
     kvs, _ = reg.get_prefix(INSTANCES_PREFIX)
     assert InstanceRecord.decode(kvs[key]) == _record(load=0)
-    # kept alive past several TTLs
-    t_end = time.monotonic() + 5
+    # kept alive past its TTL and a half
+    t_end = time.monotonic() + 6
     while time.monotonic() < t_end:
         assert key in reg.get_prefix(INSTANCES_PREFIX)[0]
         time.sleep(0.2)
@@ -109,7 +111,7 @@ def test_deregister_revokes_at_once(etcd):
 def test_lease_lost_registers_again(etcd):
     """etcd forgot the lease (it was revoked, or etcd came back empty): register anew."""
     reg = EtcdRegistry(parse_registry_url(etcd.url))
-    registrar = Registrar(reg, _record, ttl=2).start()
+    registrar = Registrar(reg, _record, ttl=4).start()  # no lapse on loaded cores
     try:
         assert registrar.wait_registered(5)
         lease = registrar.lease

@@ -10,11 +10,11 @@ watcher does not do.
 from __future__ import annotations
 
 import base64
-import codecs
 import contextlib
 import http.client
 import json
 import logging
+import re
 import socket
 import ssl
 import threading
@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 10  # seconds a registration outlives its instance's last keep-alive
 DEFAULT_OP_TIMEOUT = 2.0  # one unary call to etcd; etcd down must not stall anyone long
+# The most of one watch message held while its end has not come: a message carries a few
+# events, each value bounded by its reader (64 KiB for an instance record, a handshake's
+# max_message_bytes), base64-encoded. Past it the watch ends and its reader lists again.
+MAX_WATCH_MESSAGE = 8 * 1024 * 1024
+_WHITESPACE = re.compile(r"\s*")
 
 
 @dataclass(frozen=True)
@@ -181,11 +186,14 @@ class EtcdRegistry:
     """A small etcd v3 client: what registration, membership and the etcd handshake need.
 
     Counts its calls (``reads``/``writes``) so a benchmark can show none is made per request.
+    ``max_watch_message``: the most of one watch message it buffers (``watch_prefix``).
     """
 
-    def __init__(self, endpoint: EtcdEndpoint, timeout: float = DEFAULT_OP_TIMEOUT):
+    def __init__(self, endpoint: EtcdEndpoint, timeout: float = DEFAULT_OP_TIMEOUT,
+                 max_watch_message: int = MAX_WATCH_MESSAGE):
         self.endpoint = endpoint
         self.timeout = timeout
+        self.max_watch_message = max_watch_message
         self.reads = 0
         self.writes = 0
         self._client = Etcd3Client(
@@ -272,9 +280,10 @@ class EtcdRegistry:
     def watch_prefix(self, prefix: str, start_revision: int,
                      max_value_bytes: int | None = None) -> Iterator[WatchEvent]:
         """Events under ``prefix`` from ``start_revision`` on, until the stream ends: then
-        ``RegistryError`` (``WatchCompacted`` if that revision is gone). ``close`` ends it.
-        Events on keys that are not UTF-8, and puts of values over ``max_value_bytes``, are
-        left out and counted, as in ``get_prefix``."""
+        ``RegistryError`` (``WatchCompacted`` if that revision is gone; also a message that
+        passes ``max_watch_message``, or room for two values of ``max_value_bytes``, before
+        its end). ``close`` ends it. Events on keys that are not UTF-8, and puts of values
+        over ``max_value_bytes``, are left out and counted, as in ``get_prefix``."""
         self.reads += 1
         body = {
             "create_request": {
@@ -288,8 +297,11 @@ class EtcdRegistry:
         except (http.client.HTTPException, OSError, ValueError) as e:
             raise RegistryError(f"etcd {self.endpoint.url}: watch: {type(e).__name__}: {e}"
                                 ) from None
+        cap = self.max_watch_message
+        if max_value_bytes is not None:  # one value of the largest size always fits
+            cap = max(cap, 2 * (max_value_bytes * 4 // 3 + 1024))
         try:
-            yield from self._read_stream(resp, max_value_bytes)
+            yield from self._read_stream(resp, max_value_bytes, cap)
         except (http.client.HTTPException, OSError, ValueError) as e:
             raise RegistryError(f"etcd {self.endpoint.url}: watch broke: {e!r}") from None
         finally:
@@ -335,43 +347,53 @@ class EtcdRegistry:
         return self._ssl
 
     @staticmethod
-    def _read_stream(resp: http.client.HTTPResponse, max_value_bytes: int | None
-                     ) -> Iterator[WatchEvent]:
+    def _read_stream(resp: http.client.HTTPResponse, max_value_bytes: int | None,
+                     max_message: int) -> Iterator[WatchEvent]:
+        """The gateway writes each message as one line of compact JSON: a line is parsed
+        once, when its newline comes (each chunk is searched for newlines once, so the time
+        is linear in the stream), and the line still open is bounded by ``max_message``."""
         if resp.status != 200:
             text = resp.read(200).decode("utf-8", "replace")
             raise RegistryError(f"watch answered {resp.status}: {text}")
-        decoder = json.JSONDecoder()
-        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        buf = ""
+        pending = bytearray()  # the message whose end has not come
         while chunk := resp.read1(65536):
-            buf += text.decode(chunk)
-            while True:
-                buf = buf.lstrip()
-                if not buf:
-                    break
-                try:
-                    msg, end = decoder.raw_decode(buf)
-                except ValueError:
-                    # The gateway writes each message as one line of compact JSON: with a
-                    # newline in, the message before it is complete and is not JSON.
-                    if "\n" in buf:
-                        raise RegistryError(f"watch: a message that is not JSON: "
-                                            f"{buf[:100]!r}") from None
-                    break  # an incomplete message: wait for the rest
-                buf = buf[end:]
-                message: _WatchMessage = _shaped(msg, _WatchMessage, "watch message")
-                if message.error is not None:
-                    raise RegistryError(f"watch error: {message.error}")
-                result = message.result
-                if result.compact_revision > 0:
-                    raise WatchCompacted(f"compacted at {result.compact_revision}")
-                if result.canceled:
-                    raise RegistryError(f"watch canceled: {result.cancel_reason}")
-                for ev in result.events:
-                    kind = "delete" if ev.type == "DELETE" else "put"
-                    item = _checked(ev.kv, max_value_bytes if kind == "put" else None)
-                    if item is not None:
-                        yield WatchEvent(kind, *item)
+            start = 0
+            while (newline := chunk.find(b"\n", start)) >= 0:
+                pending += chunk[start:newline]
+                start = newline + 1
+                line, pending = bytes(pending), bytearray()
+                yield from EtcdRegistry._messages(line, max_value_bytes)
+            pending += chunk[start:]
+            if len(pending) > max_message:
+                raise RegistryError(f"watch: a message passed {max_message} bytes without "
+                                    "its end (the most one message may take)")
+        yield from EtcdRegistry._messages(bytes(pending), max_value_bytes)
+
+    @staticmethod
+    def _messages(line: bytes, max_value_bytes: int | None) -> Iterator[WatchEvent]:
+        """The events of one line: its JSON messages, one after another."""
+        decoder = json.JSONDecoder()
+        text = line.decode("utf-8", "replace")
+        at = 0
+        while (at := _WHITESPACE.match(text, at).end()) < len(text):  # type: ignore[union-attr]
+            try:
+                msg, at = decoder.raw_decode(text, at)  # from ``at``: no copy of the rest
+            except ValueError:
+                raise RegistryError(f"watch: a message that is not JSON: "
+                                    f"{text[at:at + 100]!r}") from None
+            message: _WatchMessage = _shaped(msg, _WatchMessage, "watch message")
+            if message.error is not None:
+                raise RegistryError(f"watch error: {message.error}")
+            result = message.result
+            if result.compact_revision > 0:
+                raise WatchCompacted(f"compacted at {result.compact_revision}")
+            if result.canceled:
+                raise RegistryError(f"watch canceled: {result.cancel_reason}")
+            for ev in result.events:
+                kind = "delete" if ev.type == "DELETE" else "put"
+                item = _checked(ev.kv, max_value_bytes if kind == "put" else None)
+                if item is not None:
+                    yield WatchEvent(kind, *item)
 
     def close(self) -> None:
         """Ends every watch in progress (their iterators raise ``RegistryError``)."""

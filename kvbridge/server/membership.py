@@ -77,6 +77,10 @@ class Membership:
         self.grace = grace
         self.connected = threading.Event()  # listed and watching
         self.synced = threading.Event()  # listed at least once
+        # Since when (monotonic) the view is the last one known, and why: the watch broke
+        # (an endless message included) and etcd has not been listed again yet.
+        self.stale_since: float | None = None
+        self.last_error: str | None = None
         self.events = 0
         # registry key -> (record, its key's create_revision): the oldest record naming a
         # URL is that instance's view until it goes; another record naming the same URL (a
@@ -91,8 +95,10 @@ class Membership:
             trust_env=False,
         )
         self._thread = Supervised("kvbridge-membership", self._run, self._stop)
+        self._started = time.monotonic()
 
     def start(self) -> Membership:
+        self._started = time.monotonic()
         self._thread.start()
         return self
 
@@ -101,6 +107,16 @@ class Membership:
         self.registry.close()
         self._thread.join(timeout=5)
         self._probe.close()
+
+    def staleness(self) -> dict[str, object]:
+        """For the fleet view: is it the registry's current one, and if not since when
+        and why (``connected`` false: routing goes on with the last view)."""
+        since = self.stale_since
+        if since is None and not self.connected.is_set():
+            since = self._started  # never listed yet
+        return {"connected": self.connected.is_set(), "stale": since is not None,
+                "stale_seconds": None if since is None else round(time.monotonic() - since, 3),
+                "last_error": self.last_error}
 
     def _run(self) -> None:
         try:
@@ -115,6 +131,7 @@ class Membership:
                 records, revision = self.registry.entries(self.prefix, MAX_RECORD_BYTES)
                 self._resync(records)
                 self.synced.set()
+                self.stale_since = None
                 self.connected.set()
                 delay = 0.1
                 for ev in self.registry.watch_prefix(self.prefix, revision + 1,
@@ -132,6 +149,9 @@ class Membership:
                 if self.connected.is_set():
                     log.warning("registry unreachable, routing on the last view: %s", e)
                 self.connected.clear()
+                self.last_error = str(e)
+                if self.stale_since is None:
+                    self.stale_since = time.monotonic()
                 self._stop.wait(delay)
                 delay = min(delay * 2, 2.0)
             self._expire_orphans()

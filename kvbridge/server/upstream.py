@@ -1,5 +1,5 @@
 """How the proxy talks to engines: keep-alive shorter than theirs, and one retry of a
-request that provably never reached the engine."""
+request that never reached the engine, on a new connection."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-__all__ = ["CLIENT_KEEP_ALIVE", "never_reached", "send_retrying_once"]
+from kvbridge.errors import ClosedUnanswered
+
+__all__ = ["CLIENT_KEEP_ALIVE", "NEW_CONNECTION", "never_reached", "send_retrying_once"]
 
 log = logging.getLogger(__name__)
 
@@ -16,26 +18,30 @@ log = logging.getLogger(__name__)
 # expire first, so the proxy does not pick a connection the engine is closing.
 CLIENT_KEEP_ALIVE = 4.0
 
+# A request extension: send it on a connection of its own, not one from the pool.
+NEW_CONNECTION = "kvbridge.new_connection"
+
 # Failures before a byte of the request left: safe to send again.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 def never_reached(exc: httpx.HTTPError) -> bool:
     """The engine cannot have acted on the request: it was never sent, or the engine closed
-    the (pooled, keep-alive) connection without a byte of answer. An engine that read a
-    request answers it, even with a 500; closing unanswered is how an idle connection it
-    is closing looks when our request crosses the close."""
-    if isinstance(exc, _NOT_SENT):
-        return True
-    return isinstance(exc, httpx.RemoteProtocolError) and "without sending a response" in str(exc)
+    the reused keep-alive connection without a byte of answer (an error raised from
+    ``ClosedUnanswered``: kvbridge.server.proxy.transport says how it tells that from an
+    engine that may have started on the request). An engine that read a request answers
+    it, even with a 500; closing unanswered is how an idle connection it is closing looks
+    when our request crosses the close."""
+    return isinstance(exc, _NOT_SENT) or isinstance(exc.__cause__, ClosedUnanswered)
 
 
 async def send_retrying_once(
     client: httpx.AsyncClient, request: httpx.Request, *, stream: bool = False,
     send: Callable[[httpx.Request], Awaitable[httpx.Response]] | None = None,
 ) -> httpx.Response:
-    """``client.send`` (or ``send``), once more on a fresh connection if the first try
-    never reached the engine (``never_reached``)."""
+    """``client.send`` (or ``send``), once more on a new connection if the first try never
+    reached the engine (``never_reached``): not one from the pool, which the engine may be
+    closing too."""
     if send is None:
         async def send(r: httpx.Request) -> httpx.Response:
             return await client.send(r, stream=stream)
@@ -50,4 +56,5 @@ async def send_retrying_once(
             request.url,
             exc,
         )
+        request.extensions = {**request.extensions, NEW_CONNECTION: True}
         return await send(request)

@@ -205,6 +205,11 @@ SETTINGS = Tree([
     Setting("max_body_bytes", int, 8 * 1024 * 1024,
             "Largest JSON body the engine API and the proxy read (8 MiB): 413 above it.",
             "limits", env=("KVBRIDGE_MAX_BODY_BYTES",), low=1),
+    Setting("max_answer_bytes", int, 8 * 1024 * 1024,
+            "Largest answer the proxy reads whole from an engine (8 MiB): a prefill's answer "
+            "(one token: a few KiB; an echoed prompt, more) and a decode's error body. Past "
+            "it the client gets a 502 naming this limit and the connection is closed.",
+            "limits", env=("KVBRIDGE_MAX_ANSWER_BYTES",), low=1),
     Setting("max_json_depth", int, 64,
             "Deepest nesting of arrays and objects in a JSON body: 400 above it, checked "
             "before any decoder recurses.", "limits", env=("KVBRIDGE_MAX_JSON_DEPTH",), low=1),
@@ -283,11 +288,17 @@ SETTINGS = Tree([
     Setting("routing", str, "least-outstanding",
             "How the proxy picks among compatible instances.", "proxy", flag="--routing",
             choices=ROUTING_POLICIES),
-    Setting("timeout", float, 300.0, "Seconds a request through the proxy may take.", "proxy",
+    Setting("timeout", float, 300.0,
+            "Seconds the proxy waits for an engine, in all: the prefill hop's whole answer "
+            "(unless `prefill_timeout`), a decode's first byte, and each read and write. "
+            "Past it a 504 (or another decode, where one may continue). A streamed answer "
+            "runs on as long as its bytes keep coming.", "proxy",
             flag="--timeout", low=0.0, low_open=True),
     Setting("prefill_timeout", float, None,
-            "Seconds the prefill hop may take before the client gets a 504 (unset: "
-            "`timeout`).", "proxy", flag="--prefill-timeout", low=0.0, low_open=True),
+            "Seconds the prefill hop may take in all, however its answer trickles (its one "
+            "resend on a new connection included): past it another prefill is tried, or the "
+            "client gets a 504 naming this flag (unset: `timeout`).", "proxy",
+            flag="--prefill-timeout", low=0.0, low_open=True),
     Setting("first_token_from", str, "prefill",
             "Where a streamed answer's first token comes from: `prefill` sends it as soon as "
             "the prefill sampled it and the decode continues after it "

@@ -88,7 +88,7 @@ class AdminRoutes:
     async def fleet(self, request: Request) -> Response:
         view = self.router.view()
         if (m := self.membership) is not None:
-            view["registry"] = {"url": m.registry.endpoint.url, "connected": m.connected.is_set(),
+            view["registry"] = {"url": m.registry.endpoint.url, **m.staleness(),
                                 "reads": m.registry.reads, "writes": m.registry.writes,
                                 "events": m.events}
         view["background_down"] = background.down()  # supervised threads waiting to restart

@@ -17,6 +17,7 @@ from starlette.routing import Route
 
 from kvbridge import background
 from kvbridge.guard import ConnectionBudget, GuardedServer, guarded_config
+from kvbridge.limits import MAX_ANSWER_BYTES
 from kvbridge.server.proxy.admin import AdminRoutes
 from kvbridge.server.proxy.engine_client import (
     DEFAULT_CONNECT_TIMEOUT,
@@ -90,15 +91,21 @@ class Proxy:
         if not decodes:
             return proxy_error(503, "no decode instance is known yet", "service_unavailable")
         url = decodes[0]
-        headers = {}
+        headers = {"accept-encoding": "identity"}  # relayed as read, read as sent
         if (auth := request.headers.get("authorization")) is not None:
             headers["authorization"] = auth
+        client = self.engines.http
         try:
-            resp = await self.engines.http.get(url + "/v1/models", headers=headers)
+            resp = await client.send(client.build_request("GET", url + "/v1/models",
+                                                          headers=headers), stream=True)
+            try:
+                content = await self.engines.read_body(resp)
+            finally:
+                await resp.aclose()
         except httpx.HTTPError as exc:
             return transport_error("decode", url, exc)
         return Response(
-            resp.content,
+            content,
             status_code=resp.status_code,
             media_type=resp.headers.get("content-type", "application/json"),
         )
@@ -127,6 +134,7 @@ def build_proxy_app(
     admin_routes: str | None = None,
     metrics_route: str | None = None,
     first_token_from: str = "prefill",
+    max_answer_bytes: int = MAX_ANSWER_BYTES,
 ) -> Starlette:
     """The P/D proxy as a Starlette app.
 
@@ -134,11 +142,13 @@ def build_proxy_app(
     ``routing`` picks among them (see ``kvbridge.server.routing``).
 
     ``ca_certs`` verifies https engines (default: certifi's bundle); ``client_cert`` is a
-    (certfile, keyfile) pair presented for mTLS. ``timeout`` bounds each read/write towards an
-    engine, ``connect_timeout`` each connection attempt. With ``prewarm`` the proxy tells
+    (certfile, keyfile) pair presented for mTLS. ``timeout`` bounds, in all, the prefill
+    hop and a decode's answer up to its first byte, and each read/write towards an engine;
+    ``connect_timeout`` each connection attempt. With ``prewarm`` the proxy tells
     every decode, at start-up, to handshake with every prefill (``kv_token``: the
     side-channel token the decodes require for that). ``prefill_timeout`` bounds the
-    prefill hop alone (default: ``timeout``): past it the client gets a 504 saying so.
+    prefill hop alone, in all (default: ``timeout``): past it another prefill is tried, or
+    the client gets a 504 saying so.
 
     The admin routes (``/v1/fleet``, ``/healthz/backends``, ``GET /v1/kv/prewarm``) are
     ``admin_routes``: ``"off"`` (not served), ``"token"`` (``Authorization: Bearer
@@ -149,6 +159,9 @@ def build_proxy_app(
     ``first_token_from``: ``"prefill"`` streams a streamed answer's first token as soon as
     the prefill sampled it, and the decode continues after it (``kvbridge.server.proxy.
     first_token``); ``"decode"``: every token from the decode (vLLM's two-hop protocol).
+
+    ``max_answer_bytes``: the most of an engine's answer read whole (a prefill's, a decode's
+    error body); past it a 502 naming the limit, the connection closed.
     """
     router = Router(routing)
     router.add_static("prefill", check_urls("prefill", prefill_urls, registry is not None))
@@ -160,7 +173,8 @@ def build_proxy_app(
         from kvbridge.server.membership import Membership
 
         membership = Membership(EtcdRegistry(registry), router, verify=verify)
-    proxy = Proxy(router, EngineClient(verify, httpx.Timeout(timeout, connect=connect_timeout)),
+    proxy = Proxy(router, EngineClient(verify, httpx.Timeout(timeout, connect=connect_timeout),
+                                       max_answer_bytes),
                   prewarm=prewarm, kv_token=kv_token, prefill_timeout=prefill_timeout,
                   membership=membership, first_token_from=first_token_from)
     if membership is not None:

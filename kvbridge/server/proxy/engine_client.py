@@ -3,6 +3,7 @@ an engine's failure reads to the proxy's client (OpenAI-shaped errors)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import ssl
 from collections.abc import Sequence
@@ -13,8 +14,9 @@ import certifi
 import httpx
 from starlette.responses import JSONResponse
 
-from kvbridge.errors import ConfigError
-from kvbridge.server.proxy.transport import AiohttpTransport
+from kvbridge.errors import AnswerTooLarge, ConfigError
+from kvbridge.limits import MAX_ANSWER_BYTES
+from kvbridge.server.proxy.transport import AiohttpTransport, read_at_most
 from kvbridge.server.responses import error_response
 from kvbridge.server.upstream import CLIENT_KEEP_ALIVE
 
@@ -23,6 +25,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "HEALTH_TIMEOUT",
     "EngineClient",
+    "Deadline",
     "check_urls",
     "dumps",
     "proxy_error",
@@ -31,11 +34,37 @@ __all__ = [
     "upstream_reason",
 ]
 
-# Read/write timeout per operation: a long prompt's prefill or a long non-streamed generation
-# sends nothing until it is done, so this is generous; connecting should be quick.
+# Seconds an engine may take: each read and write, a prefill hop's whole answer, a decode's
+# first byte. A long prompt's prefill or a long non-streamed generation sends nothing until
+# it is done, so this is generous; connecting should be quick.
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 HEALTH_TIMEOUT = 5.0  # health probes, releases, shutdown's wait for them
+
+
+class Deadline:
+    """A hop's total deadline, ``seconds`` from now: the engine client's timeouts bound each
+    read, and an engine trickling a byte at a time never trips them. ``async with`` it
+    around each step of the hop (it can be entered again, the deadline stays); past it,
+    ``httpx.ReadTimeout`` saying ``what`` did not come in time, which the failover rules
+    read as any timeout. Not across a ``yield`` of an async generator."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.when = asyncio.get_running_loop().time() + seconds
+        self.what = what
+        self._timeout: asyncio.Timeout | None = None
+
+    async def __aenter__(self) -> None:
+        self._timeout = asyncio.timeout_at(self.when)
+        await self._timeout.__aenter__()
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        timeout, self._timeout = self._timeout, None
+        assert timeout is not None
+        try:
+            return await timeout.__aexit__(*exc)
+        except TimeoutError as e:
+            raise httpx.ReadTimeout(self.what) from e
 
 
 def dumps(obj: Any) -> bytes:
@@ -73,11 +102,14 @@ def check_urls(role: str, urls: Sequence[str], allow_none: bool = False) -> list
 
 
 class EngineClient:
-    """The ``httpx.AsyncClient`` every hop, probe, prewarm and release goes through."""
+    """The ``httpx.AsyncClient`` every hop, probe, prewarm and release goes through.
+    ``max_answer_bytes``: the most of an answer it reads whole (``read``, ``read_error``)."""
 
-    def __init__(self, verify: ssl.SSLContext | bool, timeout: httpx.Timeout) -> None:
+    def __init__(self, verify: ssl.SSLContext | bool, timeout: httpx.Timeout,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES) -> None:
         self.verify = verify
         self.timeout = timeout
+        self.max_answer_bytes = max_answer_bytes
         self._client: httpx.AsyncClient | None = None
         self._transport: AiohttpTransport | None = None
 
@@ -103,10 +135,22 @@ class EngineClient:
 
     async def read(self, request: httpx.Request) -> httpx.Response:
         """``request`` (built by ``http``) sent on the same connections, its whole answer
-        read, without httpx's client layer (``AiohttpTransport.read``)."""
+        read (at most ``max_answer_bytes``), without httpx's client layer
+        (``AiohttpTransport.read``)."""
         self.http  # noqa: B018 - opens the client (and its transport) if needed
         assert self._transport is not None
-        return await self._transport.read(request)
+        return await self._transport.read(request, self.max_answer_bytes)
+
+    async def read_body(self, response: httpx.Response) -> bytes:
+        """A streamed answer's body, at most ``max_answer_bytes`` (an httpx error raised
+        from ``AnswerTooLarge`` past it; the caller's ``aclose`` then closes the
+        connection)."""
+        return await read_at_most(response, self.max_answer_bytes)
+
+    def first_byte(self) -> Deadline:
+        """A decode's deadline for its answer's head and first chunk (``timeout``)."""
+        seconds = self.timeout.read or DEFAULT_TIMEOUT
+        return Deadline(seconds, f"no first byte within {seconds:g}s (--timeout)")
 
     async def aclose(self) -> None:
         client, self._client = self._client, None
@@ -141,8 +185,11 @@ def upstream_reason(resp: httpx.Response) -> tuple[str, str | None, Any, str | N
 
 
 def transport_error(role: str, url: str, exc: httpx.HTTPError) -> JSONResponse:
-    """502/504 for an engine that could not be reached or did not answer in time."""
+    """502/504 for an engine that could not be reached, did not answer in time, or
+    answered more than the proxy reads."""
     detail = str(exc) or type(exc).__name__
+    if isinstance(exc.__cause__, AnswerTooLarge):
+        return proxy_error(502, f"{role} {url}: {detail}")
     if isinstance(exc, httpx.TimeoutException):
         return proxy_error(504, f"{role} {url} timed out ({type(exc).__name__}): {detail}",
                            "timeout")

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from kvbridge.errors import error_body
-from kvbridge.server.proxy.engine_client import dumps
+from kvbridge.server.proxy.engine_client import Deadline, dumps, upstream_reason
 from kvbridge.server.proxy.release import Hold, HoldingResponse
 from kvbridge.server.proxy.rewrite import CHAT
 from kvbridge.server.routing import Backend
@@ -163,6 +163,23 @@ class FirstTokenStream:
         pair = self.flow.router.pick_pair(set(), failed)
         return pair[1] if pair is not None and pair[1].compatible(self.p) else None
 
+    async def _error(self, d: Backend, resp: httpx.Response, first_byte: Deadline
+                     ) -> tuple[str, str | None, Any, str | None]:
+        """A decode's error answer, read no further than the proxy's cap, by its first-byte
+        deadline: (message, type, param, code) for the client's error event."""
+        try:
+            async with first_byte:
+                detail = await self.flow.engines.read_body(resp)
+        except httpx.HTTPError as exc:  # past the cap, or cut: what it said is unknown
+            log.warning("request %s: decode %s returned %d, its body unread: %r",
+                        self.request_id, d.url, resp.status_code, exc)
+            return (f"decode {d.url} returned {resp.status_code}: {exc}", None, None, None)
+        log.warning("request %s: decode %s returned %d: %s", self.request_id, d.url,
+                    resp.status_code, detail[:500].decode(errors="replace"))
+        message, etype, param, code = upstream_reason(
+            httpx.Response(resp.status_code, content=detail))
+        return f"decode {d.url} returned {resp.status_code}: {message}", etype, param, code
+
     async def _decode(self, d: Backend) -> AsyncIterator[bytes | None]:
         """The decode's stream, relayed; ``None`` once if it failed before its first byte."""
         flow, client = self.flow, self.flow.engines.http
@@ -171,35 +188,46 @@ class FirstTokenStream:
             req = client.build_request("POST", d.url + self.endpoint,
                                        content=dumps(self.body),
                                        headers=self.headers)
+            # Its answer's head and first chunk (or its error) within --timeout in all.
+            first_byte = flow.engines.first_byte()
             try:
-                resp = await send_retrying_once(client, req, stream=True)
+                async with first_byte:
+                    resp = await send_retrying_once(client, req, stream=True)
             except httpx.HTTPError as exc:
                 log.warning("request %s: decode %s failed: %r", self.request_id, d.url, exc)
                 flow.metrics.upstream_errors.labels("decode").inc()
                 flow.router.failed(d)
                 yield None
                 return
+            first = True
             try:
                 if resp.status_code >= 400:
-                    detail = await resp.aread()
-                    log.warning("request %s: decode %s returned %d: %s", self.request_id,
-                                d.url, resp.status_code, detail[:500].decode(errors="replace"))
+                    message, etype, param, code = await self._error(d, resp, first_byte)
                     flow.metrics.upstream_errors.labels("decode").inc()
                     # Nobody will read the prefill's blocks through this decode.
                     if resp.status_code >= 500:
                         flow.router.failed(d)
                         yield None  # another decode may continue
                         return
-                    # The request's own fault: the client gets the decode's error, in band.
+                    # The request's own fault: the client gets the decode's error, in band,
+                    # as one event of our own encoding (its body could hold events).
                     self.hold.close()
-                    yield b"data: " + detail.strip() + b"\n\n" + b"data: [DONE]\n\n"
+                    yield sse(error_body(message, etype or "upstream_error", param,
+                                         code or str(resp.status_code))).encode()
+                    yield b"data: [DONE]\n\n"
                     return
-                first = True
-                async for chunk in resp.aiter_bytes():
-                    if first:  # it answers, so it has read the prefill's blocks
-                        self.hold.handed_over()
-                        flow.router.succeeded(d)
-                        first = False
+                chunks = resp.aiter_bytes()
+                try:
+                    async with first_byte:
+                        chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    return
+                # It answers, so it has read the prefill's blocks.
+                self.hold.handed_over()
+                flow.router.succeeded(d)
+                first = False
+                yield chunk
+                async for chunk in chunks:
                     yield chunk
             except httpx.HTTPError as exc:
                 if first:  # died before its first byte: another decode may continue

@@ -16,6 +16,8 @@ from kvbridge.errors import RequestError
 from kvbridge.limits import decode_json_body, read_json_body
 from kvbridge.requestid import MAX_REQUEST_ID, accept_request_id
 from kvbridge.server.proxy.engine_client import (
+    DEFAULT_TIMEOUT,
+    Deadline,
     EngineClient,
     dumps,
     proxy_error,
@@ -150,9 +152,14 @@ class Flow:
             timeout=timeout if self.prefill_timeout is None
             else httpx.Timeout(self.prefill_timeout, connect=timeout.connect),
         )
+        # The whole hop, its one resend included: each read's timeout alone lets a prefill
+        # that trickles a byte at a time hold the request for ever.
+        total = self.prefill_timeout or timeout.read or DEFAULT_TIMEOUT
+        flag = "--prefill-timeout" if self.prefill_timeout is not None else "--timeout"
         try:
             with self.metrics.prefill_seconds.time():
-                presp = await send_retrying_once(client, preq, send=self.engines.read)
+                async with Deadline(total, f"no whole answer within {total:g}s ({flag})"):
+                    presp = await send_retrying_once(client, preq, send=self.engines.read)
         except httpx.HTTPError as exc:
             log.warning("request %s: prefill %s failed: %r", request_id, prefill, exc)
             self.metrics.upstream_errors.labels("prefill").inc()
@@ -216,8 +223,11 @@ class Flow:
         dreq = client.build_request(
             "POST", decode + endpoint, content=dumps(decode_body), headers=headers
         )
+        # Its answer's head and first chunk within --timeout in all, not per read.
+        first_byte = self.engines.first_byte()
         try:
-            dresp = await send_retrying_once(client, dreq, stream=True)
+            async with first_byte:
+                dresp = await send_retrying_once(client, dreq, stream=True)
         except httpx.HTTPError as exc:
             release()
             log.warning("request %s: decode %s failed: %r", request_id, decode, exc)
@@ -240,7 +250,8 @@ class Flow:
             return UpstreamResponse(dresp, decode, request_id, on_close=release)
         chunks = dresp.aiter_bytes()
         try:
-            first = await chunks.__anext__()
+            async with first_byte:
+                first = await chunks.__anext__()
         except StopAsyncIteration:
             first = b""
         except httpx.HTTPError as exc:  # died before its first token

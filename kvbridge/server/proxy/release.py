@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 from kvbridge.server.proxy.engine_client import HEALTH_TIMEOUT, EngineClient, dumps
 from kvbridge.server.proxy.metrics import ProxyMetrics
 from kvbridge.server.proxy.tasks import TaskSet
+from kvbridge.server.upstream import send_retrying_once
 
 __all__ = ["Hold", "HoldingResponse", "Releaser"]
 
@@ -41,12 +42,16 @@ class Releaser:
 
     async def release(self, prefill: str, kv_params: Any, request_id: str) -> None:
         """Tell the prefill to free the request's held blocks now rather than at the end
-        of their lease (best effort: the lease still bounds them if this fails)."""
+        of their lease (best effort: the lease still bounds them if this fails). Sent once
+        more on a new connection if the prefill closed a reused one unanswered, as the hops
+        are (``send_retrying_once``)."""
         headers = {"authorization": f"Bearer {self.kv_token}"} if self.kv_token else {}
+        client = self.engines.http
         try:
-            r = await self.engines.http.post(
-                prefill + "/v1/kv/release", content=dumps(kv_params),
-                headers={**headers, "content-type": "application/json"}, timeout=HEALTH_TIMEOUT)
+            r = await send_retrying_once(client, client.build_request(
+                "POST", prefill + "/v1/kv/release", content=dumps(kv_params),
+                headers={**headers, "content-type": "application/json"},
+                timeout=HEALTH_TIMEOUT))
             outcome = "ok" if r.status_code == 200 else str(r.status_code)
         except httpx.HTTPError as exc:
             outcome = type(exc).__name__
