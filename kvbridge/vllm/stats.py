@@ -61,7 +61,8 @@ class KVBridgePromMetrics(NixlPromMetrics):
             name="vllm:kvbridge_kv_reads",
             documentation="KV READs of a decode by result: validated (the block tags "
             "matched the prompt), stale (they did not: the load failed and took "
-            "kv_load_failure_policy), tag_read_failed, unvalidated (a peer without tags).",
+            "kv_load_failure_policy), tag_read_failed, block_size_mismatch (a peer of another "
+            "block size: refused, a failed load), unvalidated (a peer without tags).",
             labelnames=[*labelnames, "result"])
         for values in per_engine_labelvalues.values():  # every result shows, even at 0
             for result in RESULTS:

@@ -20,9 +20,11 @@ The plug-in closes that as kvbridge's own engine does (optimistic read, then val
 A peer without tags (a stock vLLM) is read as before, logged once and counted
 ``unvalidated``; ``read_validation: require`` refuses such READs instead (a load failure),
 ``off`` turns validation off (tags are neither kept nor read).
-Only vLLM's attention KV with one cache group is validated. The two sides' block sizes may
-differ: the expected tags are computed with the prefill's block size over the prefill's
-block ids, which is what its tags are of.
+Only vLLM's attention KV with one cache group is validated. A READ from a peer whose block
+size differs from the decode's is refused (``block_size_mismatch``, a load failure): vLLM
+0.32's own READ across block sizes puts the KV in the wrong places on CPU (a prefill at 32
+and a decode at vLLM's default gave a 200 with garbage text, stock vLLM alike), and the
+tags, which are of the prefill's blocks, cannot see where the decode's copy landed.
 """
 
 from __future__ import annotations
@@ -42,12 +44,11 @@ log = logging.getLogger("vllm.kvbridge")
 
 MODES = ("auto", "require", "off")
 # vllm:kvbridge_kv_reads{result=...}: what a decode's READ turned out to be.
-RESULTS = ("validated", "stale", "tag_read_failed", "unvalidated")
+RESULTS = ("validated", "stale", "tag_read_failed", "block_size_mismatch", "unvalidated")
 MAX_SOURCES = 8  # prefill ranks one decode rank reads from (heterogeneous TP)
-# Where peers' tags land: columns per source row, taken by a READ for its remote blocks.
-# A prefill with smaller blocks than the decode's has more blocks per prompt: room for a
-# block size ratio of 4 with every local block in flight at once.
-COLUMNS_PER_BLOCK = 4
+# Where peers' tags land: columns per source row, taken by a READ for its remote blocks
+# (as many as its local blocks: every local block can be in flight at once).
+COLUMNS_PER_BLOCK = 1
 SPIN_S = 0.002  # how long a tag READ is waited for before it is left to the next step
 
 
@@ -190,6 +191,7 @@ class ReadValidator:
         self._pending: dict[str, _Pending] = {}
         self._warned: set[str] = set()  # engines whose READs are not validated (said once)
         self._said: set[str] = set()  # engines whose READs are validated (said once)
+        self._mismatched: set[str] = set()  # engines of another block size (said once)
 
     # -- this worker's own tags --------------------------------------------------------
 
@@ -293,18 +295,20 @@ class ReadValidator:
                             if self.mode == "require" else "")
             return "unvalidated"
         sizes = {p.block_size for p in peers if p is not None}
-        if len(sizes) != 1:  # ranks of one engine disagree: nothing to compute tags with
-            log.warning("kvbridge: engine %s's ranks give block sizes %s: the READ of "
-                        "request %s cannot be validated", exp.engine_id, sorted(sizes), req_id)
-            return "tag_read_failed"
-        bs = sizes.pop()
-        if bs == self.block_size:
-            # The READ's blocks: vLLM reads the last ones when the decode has the prefix.
-            k = min(len(exp.remote), len(exp.local))
-            first = len(exp.remote) - k
-        else:  # every block of the prompt, in the prefill's blocks
-            first = 0
+        if sizes != {self.block_size}:
+            if exp.engine_id not in self._mismatched:
+                self._mismatched.add(exp.engine_id)
+                log.warning("kvbridge: engine %s's block size %s is not this decode's %d: "
+                            "vLLM's READ across block sizes misplaces the KV, so its READs "
+                            "are refused (recomputed or failed per kv_load_failure_policy); "
+                            "give prefill and decode the same --block-size", exp.engine_id,
+                            "/".join(str(b) for b in sorted(sizes)), self.block_size)
+            return "block_size_mismatch"
+        # The READ's blocks: vLLM reads the last ones when the decode has the prefix.
+        k = min(len(exp.remote), len(exp.local))
+        first = len(exp.remote) - k
         remote = exp.remote[first:]
+        bs = self.block_size
         chain = TagChain(bs)
         expected = [chain.tag(exp.tokens, j, min((j + 1) * bs, exp.num_tokens))
                     for j in range(first, len(exp.remote))]
