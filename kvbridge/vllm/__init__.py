@@ -1,4 +1,5 @@
-"""kvbridge inside vLLM: ``KVBridgeConnector``, vLLM's NixlConnector with kvbridge's side channel.
+"""kvbridge inside vLLM: ``KVBridgeConnector``, vLLM's NixlConnector with kvbridge's side channel
+(and ``KVBridgePushConnector``, its NixlPushConnector likewise).
 
 vLLM loads it by name::
 
@@ -6,7 +7,7 @@ vLLM loads it by name::
                            "kv_connector_module_path": "kvbridge.vllm",
                            "kv_role": "kv_both", "kv_buffer_device": "cpu"}'
 
-Importing this package does not import vLLM: ``KVBridgeConnector`` is loaded (and the vLLM
+Importing this package does not import vLLM: each connector class is loaded (and the vLLM
 version checked) on first access, so ``kvbridge.vllm.launch`` and ``kvbridge.vllm.wire``
 work without it. See docs/vllm.md.
 """
@@ -15,17 +16,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["KVBridgeConnector"]
+__all__ = ["KVBridgeConnector", "KVBridgePushConnector"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "KVBridgeConnector":
+    if name in __all__:
         import vllm
 
         from kvbridge.vllm.settings import check_vllm_version
 
         check_vllm_version(vllm.__version__)
-        from kvbridge.vllm.connector import KVBridgeConnector
+        from kvbridge.vllm import connector
 
-        return KVBridgeConnector
+        return getattr(connector, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

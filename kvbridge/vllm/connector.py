@@ -14,6 +14,9 @@ changes (every override is listed in docs/vllm.md §5 with its reason):
   per worker, as stock); ``bind_connector_metadata`` and ``wait_for_save`` bracket the
   forward for the tags; the stats and ``/metrics`` add the READ results
   (kvbridge/vllm/stats.py).
+
+``KVBridgePushConnector``: vLLM's NixlPushConnector with the same side channel for both of
+its handshakes, registration notes parse-checked and holds keyed (kvbridge/vllm/push.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
     NixlPullConnector,
+    NixlPushConnector,
 )
 
 from kvbridge.errors import ConfigError
@@ -35,6 +39,7 @@ from kvbridge.vllm.payload import (
     log,
     plugin_settings,
 )
+from kvbridge.vllm.push import KVBridgePushScheduler, KVBridgePushWorker
 from kvbridge.vllm.scheduler import KVBridgeScheduler
 from kvbridge.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.vllm.worker import KVBridgeWorker
@@ -43,8 +48,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["PAYLOAD_KIND", "WAKE_UP_REPUBLISHES", "KVBridgeConnector", "KVBridgeScheduler",
-           "KVBridgeWorker", "describe_payload"]
+__all__ = ["PAYLOAD_KIND", "WAKE_UP_REPUBLISHES", "KVBridgeConnector", "KVBridgePushConnector",
+           "KVBridgeScheduler", "KVBridgeWorker", "describe_payload"]
 
 
 class KVBridgeConnector(NixlPullConnector):
@@ -103,3 +108,46 @@ class KVBridgeConnector(NixlPullConnector):
             raise ConfigError(f"kvbridge.vllm: unsupported connector role {role}")
         if role == KVConnectorRole.SCHEDULER:
             log.info("kvbridge.vllm: %s", " ".join(settings.side_channel.describe()))
+
+
+class KVBridgePushConnector(NixlPushConnector):
+    """vLLM's NixlPushConnector (the prefill WRITEs into the blocks a decode registered) whose
+    handshakes, the decode's to the prefill and the prefill's to the decode, travel over
+    kvbridge's side channel. Load it with ``"kv_connector": "KVBridgePushConnector",
+    "kv_connector_module_path": "kvbridge.vllm"``. No READ validation: no READ happens
+    (docs/vllm.md §6c)."""
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
+        return KVBridgeStats(data=data) if data is not None else KVBridgeStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any,
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVBridgePromMetrics:
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(self.connector_worker, KVBridgePushWorker):
+            self.connector_worker.kvbridge_before_forward(connector_metadata)
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig):
+        settings = plugin_settings(vllm_config, mode="push")
+        refuse_unguarded(vllm_config, kv_cache_config, wake_up_republishes=WAKE_UP_REPUBLISHES)
+        # NixlPushConnector.__init__ would build the stock scheduler/worker (and a NIXL
+        # agent): run the base's and build ours in their place. Its refusal of decode
+        # context parallelism is refuse_unguarded's too.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        self.connector_scheduler: KVBridgePushScheduler | None = None  # type: ignore[assignment]
+        self.connector_worker: KVBridgePushWorker | None = None  # type: ignore[assignment]
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KVBridgePushScheduler(vllm_config, self.engine_id,
+                                                             kv_cache_config, settings)
+            log.info("kvbridge.vllm (push): %s", " ".join(settings.side_channel.describe()))
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = KVBridgePushWorker(vllm_config, self.engine_id,
+                                                       kv_cache_config, settings)
+        else:
+            raise ConfigError(f"kvbridge.vllm: unsupported connector role {role}")

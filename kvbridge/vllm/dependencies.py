@@ -124,11 +124,52 @@ MEMBERS: tuple[Member, ...] = (
        "the transfer results after the forward", prefix="gpu."),
     _m("v1/worker/gpu/kv_connector.py", "ActiveKVConnector.finalize_step",
        "wait_for_save once the step's forwards are done (tags set)", prefix="gpu."),
+    # Push mode (kvbridge/vllm/push.py): KVBridgePushConnector and its scheduler and worker.
+    _m(NIXL + "connector.py", "NixlPushConnector.__init__",
+       "bypassed: KVBridgePushConnector.__init__ builds its scheduler and worker instead"),
+    _m(NIXL + "push_scheduler.py", "NixlPushConnectorScheduler.__init__",
+       "KVBridgePushScheduler.__init__ calls it", "signature"),
+    _m(NIXL + "push_scheduler.py", "NixlPushConnectorScheduler.update_state_after_alloc",
+       "wrapped: the hold's key is added to the registration it stages "
+       "(_push_pending_registrations), which advertises side_channel_host/port"),
+    _m(NIXL + "push_scheduler.py", "NixlPushConnectorScheduler.request_finished",
+       "wrapped: a held request's params carry its key; advertises the plug-in's port"),
+    _m(NIXL + "push_scheduler.py", "NixlPushConnectorScheduler.build_connector_meta",
+       "wrapped: the step's new keys and the keys of reqs_to_recv are added to its metadata"),
+    _m(NIXL + "push_worker.py", "NixlPushConnectorWorker.__init__",
+       "KVBridgePushWorker.__init__ calls it", "signature"),
+    _m(NIXL + "push_worker.py", "NixlPushConnectorWorker.start_load_kv",
+       "wrapped: a decode's keys set before it queues the registration"),
+    _m(NIXL + "push_worker.py", "NixlPushConnectorWorker._push_writer_loop",
+       "its routing of the notes get_new_notifs returns (PUSH_REG to _handle_push_reg_notif), "
+       "fed only notes that parse"),
+    _m(NIXL + "push_worker.py", "NixlPushConnectorWorker._handle_push_reg_notif",
+       "overridden: KVBridgePushWorker's matches a registration only with the request's key"),
+    _m(NIXL + "push_worker.py", "NixlPushConnectorWorker._pop_matching_finished_blocks",
+       "bypassed by _handle_push_reg_notif; its lookup is copied in push._candidates"),
+    _m(NIXL + "push_worker.py", "NixlPushConnectorWorker._pop_matching_registration",
+       "overridden: the same lookup, matching only a registration with the request's key"),
+    _m(NIXL + "push_worker.py", "NixlPushConnectorWorker._do_start_push_kv",
+       "wrapped: reads the registration's fields (pushreg checks them); the WRITE-done "
+       "note's key"),
+    _m(NIXL + "push_worker.py", "NixlPushConnectorWorker._send_registration_to_p",
+       "its handshake (notif agents only) goes through the plug-in's _nixl_handshake"),
+    _m(NIXL + "push_worker.py", "NixlPushConnectorWorker._do_send_reg_notif",
+       "the registration note's format (PUSH_REG_NOTIF_PREFIX + msgpack) pushreg checks"),
+    _m(NIXL + "push_worker.py", "NixlPushConnectorWorker._xfer_blocks",
+       "builds the WRITE-done note '<request id>:<writers>' the key is appended to"),
+    _m(NIXL + "push_worker.py", "NixlPushConnectorWorker._get_new_notifs",
+       "its parse of WRITE-done and 'HB:' notes, fed only notes that parse"),
+    _m(NIXL + "push_worker.py", "NixlPushConnectorWorker.get_transfer_results",
+       "wrapped: the keys of finished transfers are dropped"),
+    _m(NIXL + "utils.py", "get_base_request_id",
+       "the request-id match push._candidates copies"),
     # How vLLM finds the class: its branches on connector names (transfer_mode is read
     # only for NixlConnector; the plug-in refuses it for push).
     _m("distributed/kv_transfer/kv_connector/factory.py",
        "KVConnectorFactory.get_connector_class",
-       "loads KVBridgeConnector by module path; its branches on names pass it by"),
+       "loads KVBridgeConnector and KVBridgePushConnector by module path; its branches on "
+       "names pass them by"),
 )
 
 SCHED_OUTPUT = "v1/core/sched/output.py"

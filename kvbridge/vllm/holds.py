@@ -23,6 +23,12 @@ Whatever ``hold_keys`` says, a prefill passes vLLM only notes it can parse: vLLM
 ``msg.rsplit(":", 1)`` and ``int(...)`` inside the engine step, so one malformed note from
 anyone with NIXL access would kill the engine. Anything else is dropped and counted
 (``why="malformed"``).
+
+In push mode (``registrations``) the notes are the other way round: a decode's registration
+(``PUSH_REG:``, parse-checked by kvbridge.vllm.pushreg, its key checked by the push worker
+when it is matched) and the prefill's WRITE-done note ``"<decode request id>:<writers>"``,
+to which the prefill adds the key and which the decode checks as a prefill checks READ-done
+notes in pull mode.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import re
 import secrets
 from collections.abc import Callable
 from typing import Any
+
+from kvbridge.vllm.pushreg import PUSH_REG_PREFIX, registration
 
 log = logging.getLogger("vllm.kvbridge")
 
@@ -50,12 +58,15 @@ def new_key() -> str:
 class KeyedAgent:
     """vLLM's NIXL agent with hold keys on READ-done notes (everything else is the agent's)."""
 
-    def __init__(self, agent: Any, on_ignored: Callable[[str], None], keys: bool = True):
+    def __init__(self, agent: Any, on_ignored: Callable[[str], None], keys: bool = True,
+                 registrations: bool = False):
         """``keys``: hold keys are given and checked (``hold_keys: require``); without,
-        only the parse check applies."""
+        only the parse check applies. ``registrations``: push mode's registration notes
+        pass (when they parse)."""
         self._agent = agent
         self._on_ignored = on_ignored
         self.keys = keys
+        self.registrations = registrations
         self.send_keys: dict[str, str] = {}  # decode: remote request id -> its hold's key
         self.hold_keys: dict[str, str] = {}  # prefill: request id -> the key it gave out
         self._warned: set[tuple[str, str]] = set()  # (sender, why): logged once
@@ -66,7 +77,8 @@ class KeyedAgent:
     # -- a decode's notes ------------------------------------------------------------
 
     def _keyed(self, msg: Any) -> Any:
-        if not msg or not self.send_keys:
+        if not msg or not self.send_keys or (isinstance(msg, bytes)
+                                             and msg.startswith(PUSH_REG_PREFIX)):
             return msg
         text = msg.decode("utf-8", "replace") if isinstance(msg, bytes) else str(msg)
         key = self.send_keys.get(text.rsplit(":", 1)[0])
@@ -98,8 +110,14 @@ class KeyedAgent:
 
     def _admit(self, sender: str, msg: Any) -> bytes | None:
         try:
-            text = bytes(msg).decode("utf-8")
-        except (UnicodeDecodeError, TypeError):
+            raw = bytes(msg)
+        except TypeError:
+            return self._drop(sender, "malformed")
+        if self.registrations and raw.startswith(PUSH_REG_PREFIX):
+            return raw if registration(raw) is not None else self._drop(sender, "malformed")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
             return self._drop(sender, "malformed")
         if text.startswith(HEARTBEAT):
             return text.encode()  # vLLM only splits it on commas
@@ -119,7 +137,8 @@ class KeyedAgent:
             self._warned.add((sender, why))
             if why == "malformed":
                 log.warning("kvbridge: a malformed NIXL note from agent %s was dropped (vLLM "
-                            "takes '<request id>:<consumers>' or 'HB:<ids>')", sender)
+                            "takes '<request id>:<consumers>', 'HB:<ids>'%s)", sender,
+                            " or a whole PUSH_REG registration" if self.registrations else "")
             else:
                 log.warning("kvbridge: a note from NIXL agent %s without its hold's key (%s) "
                             "released nothing%s", sender, why,

@@ -30,7 +30,11 @@ import httpx
 from kvbridge.net import free_port
 from kvbridge.testing.prometheus import parse_samples
 
-Connector = Literal["kvbridge", "nixl", None]
+# "kvbridge": the plug-in (pull), "kvbridge-push": its push connector, "nixl": vLLM's own
+# NixlConnector (pull), "nixl-push": vLLM's own NixlPushConnector.
+Connector = Literal["kvbridge", "kvbridge-push", "nixl", "nixl-push", None]
+PLUGIN_CLASSES = {"kvbridge": "KVBridgeConnector", "kvbridge-push": "KVBridgePushConnector"}
+STOCK_CLASSES = {"nixl": "NixlConnector", "nixl-push": "NixlPushConnector"}
 
 
 def _die_with_parent() -> None:
@@ -56,10 +60,11 @@ def kv_transfer_config(connector: Connector, extra_config: Mapping[str, Any] | N
     cfg: dict[str, Any] = {"kv_role": "kv_both", "kv_buffer_device": kv_buffer_device}
     if kv_load_failure_policy is not None:
         cfg["kv_load_failure_policy"] = kv_load_failure_policy
-    if connector == "kvbridge":
-        cfg.update(kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.vllm")
+    if connector in PLUGIN_CLASSES:
+        cfg.update(kv_connector=PLUGIN_CLASSES[connector],
+                   kv_connector_module_path="kvbridge.vllm")
     else:
-        cfg["kv_connector"] = "NixlConnector"
+        cfg["kv_connector"] = STOCK_CLASSES[connector]
     if extra_config:
         cfg["kv_connector_extra_config"] = dict(extra_config)
     return json.dumps(cfg)
@@ -96,11 +101,12 @@ class VllmServer:
         ``VLLM_NIXL_SIDE_CHANNEL_PORT``; default a free port."""
         port = port or free_port()
         extra = dict(extra_config or {})
-        if connector == "kvbridge" and "side_channel_port" in extra:
+        plugin = connector in PLUGIN_CLASSES
+        if plugin and "side_channel_port" in extra:
             side_channel_port = int(extra["side_channel_port"]) or None  # 0: chosen at bind
         elif connector is not None:
             side_channel_port = side_channel_port or free_port()
-            if connector == "kvbridge":
+            if plugin:
                 extra["side_channel_port"] = side_channel_port
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                 str(model), "--port", str(port), "--host", "127.0.0.1",
@@ -117,7 +123,7 @@ class VllmServer:
         full_env = {**os.environ, **DEFAULT_ENV, **(env or {})}
         if core is not None:
             full_env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-        if connector == "nixl":
+        if connector in STOCK_CLASSES:
             full_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
         log_path = Path(log_dir) / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -220,9 +226,12 @@ def completion(url: str, prompt: str, *, max_tokens: int = 16,
     return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout, headers=headers)
 
 
-def prefill(url: str, prompt: str, timeout: float = 120.0) -> dict[str, Any]:
-    """vLLM's P/D protocol, first hop: the prefill's ``kv_transfer_params`` for the decode."""
-    r = completion(url, prompt, max_tokens=1, timeout=timeout,
+def prefill(url: str, prompt: str, timeout: float = 120.0,
+            request_id: str | None = None) -> dict[str, Any]:
+    """vLLM's P/D protocol, first hop: the prefill's ``kv_transfer_params`` for the decode.
+    ``request_id`` (``X-Request-Id``): push mode pairs the two hops by it, so give both
+    the same."""
+    r = completion(url, prompt, max_tokens=1, timeout=timeout, request_id=request_id,
                    kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
                                        "remote_engine_id": None, "remote_block_ids": None,
                                        "remote_host": None, "remote_port": None})
@@ -234,16 +243,19 @@ def prefill(url: str, prompt: str, timeout: float = 120.0) -> dict[str, Any]:
 
 
 def decode(url: str, prompt: str, params: Mapping[str, Any], *, max_tokens: int = 16,
-           timeout: float = 120.0) -> httpx.Response:
-    """Second hop: the decode reads the prefill's KV (the raw response)."""
+           timeout: float = 120.0, request_id: str | None = None) -> httpx.Response:
+    """Second hop: the decode reads the prefill's KV, or in push mode registers its blocks
+    for the prefill to write (the raw response)."""
     return completion(url, prompt, max_tokens=max_tokens, kv_transfer_params=params,
-                      timeout=timeout)
+                      timeout=timeout, request_id=request_id)
 
 
 def pd_text(prefill_url: str, decode_url: str, prompt: str, *, max_tokens: int = 16,
-            timeout: float = 120.0) -> str:
-    """Both hops; the decode's text (raises on any error)."""
-    params = prefill(prefill_url, prompt, timeout)
-    r = decode(decode_url, prompt, params, max_tokens=max_tokens, timeout=timeout)
+            timeout: float = 120.0, request_id: str | None = None) -> str:
+    """Both hops; the decode's text (raises on any error). ``request_id``: both hops'
+    ``X-Request-Id`` (push mode pairs them by it)."""
+    params = prefill(prefill_url, prompt, timeout, request_id=request_id)
+    r = decode(decode_url, prompt, params, max_tokens=max_tokens, timeout=timeout,
+               request_id=request_id)
     r.raise_for_status()
     return r.json()["choices"][0]["text"]

@@ -45,11 +45,12 @@ def describe_payload(data: bytes) -> dict[str, Any]:
             "agent_metadata_bytes": len(meta.agent_metadata)}
 
 
-def plugin_settings(vllm_config: VllmConfig) -> PluginSettings:
+def plugin_settings(vllm_config: VllmConfig, mode: str = "pull") -> PluginSettings:
     ktc = vllm_config.kv_transfer_config
     assert ktc is not None
     return load_settings(ktc.kv_connector_extra_config,
-                         dp_index=vllm_config.parallel_config.data_parallel_index)
+                         dp_index=vllm_config.parallel_config.data_parallel_index, mode=mode)
+
 
 def validating(settings: PluginSettings, kv_cache_config: KVCacheConfig) -> bool:
     """Block tags are kept and read (kvbridge.vllm.validation): not with

@@ -68,12 +68,18 @@ class PluginSettings:
         return self.side_channel.handshake_method
 
 
+# The plug-in's class for each transfer mode (vLLM's NixlPullConnector, NixlPushConnector).
+CONNECTOR_FOR_MODE = {"pull": "KVBridgeConnector", "push": "KVBridgePushConnector"}
+
+
 def load_settings(extra: Mapping[str, Any] | None, dp_index: int = 0,
-                  environ: Mapping[str, str] | None = None) -> PluginSettings:
+                  environ: Mapping[str, str] | None = None,
+                  mode: str = "pull") -> PluginSettings:
     """Validated settings, or ``ConfigError`` with one line naming what to change.
 
     ``dp_index``: vLLM's data-parallel index, added to a fixed side-channel port as vLLM
-    does (port 0 stays ephemeral).
+    does (port 0 stays ephemeral). ``mode``: the connector's transfer mode (``pull`` for
+    ``KVBridgeConnector``, ``push`` for ``KVBridgePushConnector``).
     """
     extra = dict(extra or {})
     unknown = sorted(k for k in extra
@@ -81,12 +87,15 @@ def load_settings(extra: Mapping[str, Any] | None, dp_index: int = 0,
     if unknown:
         raise ConfigError(f"kvbridge.vllm: unknown kv_connector_extra_config key(s) {unknown}: "
                           f"use the setting names of docs/configuration.md")
-    mode = extra.get("transfer_mode", "pull")
-    if mode != "pull":
-        # vLLM's factory reads transfer_mode only for the name NixlConnector: under
-        # another name a "push" would silently run pull.
-        raise ConfigError(f"kvbridge.vllm: transfer_mode {mode!r} is not served by "
-                          "KVBridgeConnector, which is pull only (docs/vllm.md §6)")
+    asked = extra.get("transfer_mode", mode)
+    if asked != mode:
+        # vLLM's factory reads transfer_mode only for the name NixlConnector: under our
+        # names it would be ignored, and the class's own mode would silently run.
+        other = CONNECTOR_FOR_MODE.get(str(asked))
+        hint = f": use {other}" if other else ""
+        raise ConfigError(f"kvbridge.vllm: transfer_mode {asked!r} is not served by "
+                          f"{CONNECTOR_FOR_MODE[mode]}, which is {mode} only{hint} "
+                          "(docs/vllm.md §6c)")
     flags = {k: v for k, v in extra.items() if k in OUR_KEYS}
     environ = os.environ if environ is None else environ
     try:

@@ -1,14 +1,12 @@
 """``KVBridgeWorker``: vLLM's pull worker whose handshake fetches through kvbridge's client
-(one deadline, ``handshake_timeout``) and then runs vLLM's own checks, in vLLM's order, with
-its helpers; which keeps block tags and validates every READ (kvbridge.vllm.validation);
-and whose READ-done notes carry, and are checked for, the hold's key (kvbridge.vllm.holds)."""
+and then runs vLLM's own checks (kvbridge.vllm.client, shared with the push connector); which
+keeps block tags and validates every READ (kvbridge.vllm.validation); and whose READ-done
+notes carry, and are checked for, the hold's key (kvbridge.vllm.holds)."""
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
@@ -16,16 +14,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from vllm.platforms import current_platform
 
 from kvbridge._nixl import nixl_module, progress_delay
-from kvbridge.handshake.base import HandshakeClient
-from kvbridge.handshake.factory import make_client
-from kvbridge.handshake.payloads import FetchedPayloads, Rank, fetch_payloads
 from kvbridge.vllm.affinity import kept_affinity
+from kvbridge.vllm.client import SideChannelHandshake
 from kvbridge.vllm.holds import KeyedAgent
-from kvbridge.vllm.payload import PAYLOAD_KIND, agent_decoder, log, payload_decoder, validating
+from kvbridge.vllm.payload import validating
 from kvbridge.vllm.settings import PluginSettings
 from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.validation import ReadValidator, StepTags
-from kvbridge.vllm.wire import VllmZmqClient, vllm_wire_client
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +28,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-class KVBridgeWorker(NixlPullConnectorWorker):
+class KVBridgeWorker(SideChannelHandshake, NixlPullConnectorWorker):
     """vLLM's pull worker; its handshake fetches through kvbridge's client."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str,
@@ -45,11 +40,7 @@ class KVBridgeWorker(NixlPullConnectorWorker):
         # core on its CPU build; kept_affinity puts it back (kvbridge/vllm/affinity.py).
         with progress_delay(nixl_module()), kept_affinity():
             super().__init__(vllm_config, engine_id, kv_cache_config)
-        self.kvbridge_settings = settings
-        # (host, port) -> the epoch of the instance last handshaken there ("" over zmq)
-        self.kvbridge_epochs: dict[tuple[str, int], str] = {}
-        self._kvbridge_client: HandshakeClient | VllmZmqClient | None = None
-        self._kvbridge_lock = threading.Lock()
+        self._kvbridge_client_init(settings)
         self.xfer_stats = KVBridgeStats()  # vLLM's NIXL stats and the READ results
         self._kvbridge_validating = validating(settings, kv_cache_config)
         self.kvbridge_validator: ReadValidator | None = None
@@ -171,111 +162,12 @@ class KVBridgeWorker(NixlPullConnectorWorker):
         plan = self.tp_mappings.get(engine_id)
         return tuple(plan.all_source_ranks) if plan is not None else ()
 
-    def _kvbridge_transport(self) -> HandshakeClient | VllmZmqClient:
-        with self._kvbridge_lock:
-            if self._kvbridge_client is None:
-                # As kvbridge serve's decode workers: token rotation (token_file), TLS,
-                # max_message_bytes, and connections to known peers kept warm.
-                self._kvbridge_client = make_client(self.kvbridge_settings.side_channel, None,
-                                                    keep_warm=True, zmq=vllm_wire_client)
-            return self._kvbridge_client
-
-    def _kvbridge_fetch(self, host: str, port: int, ranks: list[Rank],
-                        expected_engine_id: str) -> FetchedPayloads:
-        client = self._kvbridge_transport()
-        if isinstance(client, VllmZmqClient):
-            return client.fetch(host, port, ranks)
-        return fetch_payloads(client, PAYLOAD_KIND, host, port, ranks,
-                              expected_engine_id=expected_engine_id,
-                              wait_for_engine=client.method == "etcd")
-
-    def _nixl_handshake(
-        self,
-        host: str,
-        port: int,
-        remote_tp_size: int,
-        expected_engine_id: str,
-        remote_dcp_size: int = 1,
-        remote_pp_size: int = 1,
-        notif_agents_only: bool = False,
-    ) -> tuple[dict[tuple[int, int], str], float]:
-        """vLLM's handshake with kvbridge's transport: fetch every target rank's payload
-        within one deadline, then vLLM's checks and ``add_remote_agent`` per rank."""
-        if self._is_csa_linear:
-            self._validate_csa_linear_tp_layout(remote_tp_size)
-        if not self.use_host_buffer:  # as vLLM: the handshake thread needs the device set
-            current_platform.set_device(self.device_id)
-        assert self.transfer_topo is not None
-        p_remote_ranks = self.transfer_topo.handshake_target_ranks(remote_tp_size,
-                                                                   remote_dcp_size)
-        targets = [(pp, tp) for pp in range(remote_pp_size) for tp in p_remote_ranks]
-        fetched = self._kvbridge_fetch(host, port, targets, expected_engine_id)
-        previous = self.kvbridge_epochs.get((host, port))
-        self.kvbridge_epochs[(host, port)] = fetched.epoch
-        log.info("kvbridge handshake: %s %s:%d engine %s epoch %s%s, %d rank(s)",
-                 self.kvbridge_settings.method, host, port, expected_engine_id,
-                 fetched.epoch or "-",
-                 f" (new; was {previous})" if previous and previous != fetched.epoch else "",
-                 len(targets))
-        remote_rank_to_agent_name: dict[tuple[int, int], str] = {}
-        for remote_pp_rank, remote_rank in targets:
-            remote_rank_to_agent_name[(remote_pp_rank, remote_rank)] = self._kvbridge_admit(
-                fetched.payloads[(remote_pp_rank, remote_rank)], remote_rank,
-                remote_tp_size, expected_engine_id, notif_agents_only)
-        return remote_rank_to_agent_name, fetched.clock_offset
-
-    def _kvbridge_admit(self, handshake_bytes: bytes, remote_rank: int, remote_tp_size: int,
-                        expected_engine_id: str, notif_agents_only: bool) -> str:
-        """vLLM's checks of ``_nixl_handshake`` (0.32 and 0.33 alike), unchanged in order
-        and wording; kvbridge/vllm/drift.py fails the suite when vLLM's change."""
-        try:
-            handshake_payload = payload_decoder.decode(handshake_bytes)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise RuntimeError(
-                f"Failed to decode NixlHandshakePayload. This likely indicates "
-                f"an incompatibility between connector version. Error: {e}"
-            ) from e
-        assert self.compat_hash is not None
-        if (
-            self.enforce_compat_hash
-            and handshake_payload.compatibility_hash != self.compat_hash
-        ):
-            raise RuntimeError(
-                f"NIXL compatibility hash mismatch. "
-                f"Local: {self.compat_hash}, "
-                f"Remote: {handshake_payload.compatibility_hash}. "
-                f"Prefill and decode instances have incompatible "
-                f"configurations. This may be due to: different vLLM versions,"
-                f" models, dtypes, KV cache layouts, attention backends, etc. "
-                f"Both instances must use identical configurations."
-                f"Disable this check using "
-                f'--kv-transfer-config \'{{"kv_connector_extra_config": '
-                f'{{"enforce_handshake_compat": false}}}}\''
-            )
-        try:
-            metadata = agent_decoder.decode(handshake_payload.agent_metadata_bytes)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise RuntimeError(f"Failed to decode NixlAgentMetadata. Error: {e}") from e
-        self._validate_remote_parallel_config(metadata)
-        if metadata.engine_id != expected_engine_id:
-            raise RuntimeError(
-                f"Remote NIXL agent engine ID mismatch. "
-                f"Expected {expected_engine_id},"
-                f"received {metadata.engine_id}."
-            )
-        if notif_agents_only:
-            return self._add_notif_only_remote_agent(metadata, remote_tp_size,
-                                                     metadata.dcp_size)
-        agent = self.add_remote_agent(metadata, remote_rank, remote_tp_size, metadata.dcp_size)
+    def _kvbridge_admitted(self, engine_id: str, remote_rank: int, agent: str,
+                           agent_metadata_bytes: bytes) -> None:
         if self.kvbridge_validator is not None:
-            self.kvbridge_validator.add_peer(metadata.engine_id, remote_rank, agent,
-                                             handshake_payload.agent_metadata_bytes)
-        return agent
+            self.kvbridge_validator.add_peer(engine_id, remote_rank, agent, agent_metadata_bytes)
 
     def shutdown(self) -> None:
         if self.kvbridge_validator is not None:
             self.kvbridge_validator.shutdown()
         super().shutdown()
-        client, self._kvbridge_client = self._kvbridge_client, None
-        if client is not None and hasattr(client, "close"):
-            client.close()

@@ -62,10 +62,11 @@ class Node:
     # -- set-up ------------------------------------------------------------------------
 
     def start(self, block_size: int, num_blocks: int, extra: dict[str, Any],
-              model: str, model_len: int = 512, batch_tokens: int = 512
-              ) -> dict[str, Any]:
+              model: str, model_len: int = 512, batch_tokens: int = 512,
+              connector: str = "KVBridgeConnector") -> dict[str, Any]:
         """``model``: a directory for the model's config.json, one for every node of a
-        test (its path is part of vLLM's compatibility hash)."""
+        test (its path is part of vLLM's compatibility hash). ``connector``: the plug-in's
+        class (``KVBridgePushConnector`` for push mode)."""
         import torch
         import vllm
         from vllm.config import (
@@ -83,7 +84,7 @@ class Node:
         _cpu_without_triton_cpu()
         self.block_size = block_size
         ktc = KVTransferConfig(
-            kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.vllm",
+            kv_connector=connector, kv_connector_module_path="kvbridge.vllm",
             kv_role="kv_both", kv_buffer_device="cpu", kv_connector_extra_config=extra)
         mc = ModelConfig(model=str(model_dir(Path(model))), dtype="float32",
                          skip_tokenizer_init=True, max_model_len=model_len)

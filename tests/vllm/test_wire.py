@@ -179,6 +179,20 @@ def test_bad_settings_are_one_line(extra, match):
     assert "\n" not in str(e.value) and str(e.value).startswith("kvbridge.vllm: ")
 
 
+def test_each_connector_takes_its_own_transfer_mode_only():
+    """vLLM's factory reads transfer_mode only for the name NixlConnector: under the plug-in's
+    names a mode other than the class's would be ignored, so it is refused, naming the class
+    that serves it."""
+    assert load_settings({"transfer_mode": "push"}, 0, {}, mode="push").method == "zmq"
+    assert load_settings({}, 0, {}, mode="push").method == "zmq"
+    with pytest.raises(ConfigError, match="transfer_mode 'push' is not served by "
+                       "KVBridgeConnector, which is pull only: use KVBridgePushConnector"):
+        load_settings({"transfer_mode": "push"}, 0, {})
+    with pytest.raises(ConfigError, match="transfer_mode 'pull' is not served by "
+                       "KVBridgePushConnector, which is push only: use KVBridgeConnector"):
+        load_settings({"transfer_mode": "pull"}, 0, {}, mode="push")
+
+
 def test_vllm_version_outside_the_tested_range_is_refused():
     check_vllm_version("0.32.0")
     check_vllm_version("0.32.3+cpu")
