@@ -2,7 +2,8 @@
 ``Scheduler`` and ``Request``s, its connector factory and transfer state, its model-runner
 connector bracket, with KV caches registered with real NIXL and the side channel between
 a prefill and a decode in processes of their own (tests/releases/node.py). No model runs:
-a step writes a known value per (token, position), so the decode checks every byte it READ.
+a step writes a known value per (token, position, KV head), so the decode checks every byte
+it READ. One node runs at TP 2 (a process per rank) for heterogeneous TP.
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ import pytest
 from kvbridge.testing.certs import write_certs
 from kvbridge.testing.etcd import EtcdProcess
 from tests.releases.conftest import Node, start_nodes
+from tests.releases.node import NUM_KV_HEADS
 from tests.releases.pd import (
     BLOCK,
     LEASE_S,
     TOKEN,
     assert_read_whole,
+    handshake_lines,
     held,
     https,
     ignored,
     prompt,
+    rank_reads,
     read,
     reads,
 )
@@ -39,9 +43,10 @@ def etcd(log_dir: Path) -> Iterator[EtcdProcess]:
 def nodes(release: str, log_dir: Path, etcd: EtcdProcess) -> Iterator[dict[str, Node]]:
     """Per release: an https prefill (mutual TLS, a token, short leases, chunked prefill) with
     a decode of the same block size and one of twice it; a pair over vLLM's zmq wire; a pair
-    over the etcd method."""
+    over the etcd method; an https node at TP 2, which prefills for the decode and decodes
+    from it."""
     (log_dir / "certs").mkdir()
-    certs = write_certs(log_dir / "certs", ("prefill", "decode"))
+    certs = write_certs(log_dir / "certs", ("prefill", "decode", "tp2"))
     token = log_dir / "token"
     token.write_text(TOKEN + "\n")
     token.chmod(0o600)
@@ -63,6 +68,8 @@ def nodes(release: str, log_dir: Path, etcd: EtcdProcess) -> Iterator[dict[str, 
                "extra": {**etcd_method, "side_channel_port": _free_port()}},
         "De": {"block_size": BLOCK, "num_blocks": 24, "model": model,
                "extra": {**etcd_method, "side_channel_port": _free_port()}},
+        "T": {"block_size": BLOCK, "num_blocks": 24, "model": model, "tp": 2,
+              "extra": {**base, **https(certs, "tp2", token)}},
     }
     started = start_nodes(release, log_dir, specs)
     try:
@@ -188,3 +195,30 @@ def test_the_drift_guard_is_clean_on_the_release(release):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"vLLM {release} (" in r.stdout and "as recorded" in r.stdout
+
+
+@pytest.mark.parametrize(("p_name", "d_name"), [("D", "T"), ("T", "D")],
+                         ids=["prefill-tp1-to-decode-tp2", "prefill-tp2-to-decode-tp1"])
+def test_each_decode_rank_reads_its_share_of_the_kv_heads_validated(nodes, p_name, d_name):
+    """Heterogeneous TP over https with a token: each rank of a TP-2 decode READs its half
+    of the KV heads from the TP-1 prefill; a TP-1 decode READs each half from the TP-2
+    prefill rank that holds it. Every value names its global KV head, so each decode rank
+    checks every byte of its share, and that it came from the right rank."""
+    p, d = nodes[p_name], nodes[d_name]
+    p_tp, d_tp = p.info["tp"], d.info["tp"]
+    req, tokens = f"tp-{p_name}-{d_name}", prompt(30 + d_tp)
+    before = rank_reads(d, "validated")
+    result = read(d, req, tokens, held(p, req, tokens))
+    assert_read_whole(result, tokens)
+    ranks = result["loaded"]["ranks"]
+    assert sorted(ranks) == [str(r) for r in range(d_tp)], ranks
+    assert all(r["tokens"] == len(tokens) - 1 and r["wrong"] == 0 for r in ranks.values()), ranks
+    assert sorted(h for r in ranks.values() for h in r["heads"]) == list(range(NUM_KV_HEADS))
+    after = rank_reads(d, "validated")  # each decode rank validated its own READ
+    assert [after.get(r, 0) - before.get(r, 0) for r in range(d_tp)] == [1] * d_tp
+    assert reads(d, "unvalidated") == 0
+    # each decode rank fetched the prefill ranks it reads from: one, or both
+    lines = handshake_lines(d, p)
+    assert len(lines) >= d_tp, lines
+    assert all(s.endswith(f", {max(1, p_tp // d_tp)} rank(s)") for s in lines), lines
+
