@@ -18,7 +18,9 @@ release's bracket. The scheduler gathers both ranks' handshake metadata, every s
 checks it has exactly its share of heads.
 
 Commands are JSON lines on stdin, answers JSON lines on stdout (logs go to stderr):
-``start``, ``add``, ``run``, ``note``, ``corrupt``, ``preempt``, ``state``, ``quit``.
+``start``, ``add``, ``run``, ``note``, ``corrupt``, ``preempt``, ``state``, ``quit``; for a
+republish (vLLM 0.33+): ``sleep``, ``wake``, ``sleep_mode``, ``payload_digests``,
+``fetch_digests``.
 """
 
 from __future__ import annotations
@@ -396,6 +398,123 @@ class Node:
         if "pooler_output" in names:
             kwargs["pooler_output"] = []
         return ModelRunnerOutput(**kwargs)
+
+    # -- sleep mode and a republish (vLLM 0.33+) ----------------------------------------
+
+    def sleep_mode(self) -> dict[str, Any]:
+        """Sleep mode asked of this release and of the plug-in: whether vLLM's pull
+        connector has the republish (``supports_sleep_mode``, ``restore_kv_caches``), what
+        vLLM's own config check says of the plug-in, and whether the plug-in's connector
+        builds, all with ``enable_sleep_mode`` set on this node's config."""
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+            NixlPullConnector,
+        )
+
+        out: dict[str, Any] = {
+            "supports_sleep_mode": hasattr(NixlPullConnector, "supports_sleep_mode"),
+            "restore_kv_caches": hasattr(NixlPullConnector, "restore_kv_caches")}
+        mc = self.config.model_config
+        mc.enable_sleep_mode = True  # not at construction: vLLM's CPU platform refuses it
+        try:
+            try:
+                self.config._verify_kv_transfer_compat()
+                out["vllm_check"] = "accepted"
+            except ValueError as e:
+                out["vllm_check"] = str(e)
+            try:
+                conn = KVConnectorFactory.create_connector(
+                    self.config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
+            except Exception as e:  # noqa: BLE001 - the answer is the refusal
+                out["plugin"] = f"{type(e).__name__}: {e}"
+            else:
+                conn.shutdown()
+                out["plugin"] = "built"
+        finally:
+            mc.enable_sleep_mode = False
+        return out
+
+    def sleep(self, timeout: float = 30.0) -> dict[str, Any]:
+        """vLLM's sleep (level 1) as far as the KV cache goes, on every rank. The engine
+        core pauses first and lets the requests in flight finish (a held one: until its
+        READ is done)."""
+        deadline = time.monotonic() + timeout
+        while self.scheduler.requests:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"requests in flight: {sorted(self.scheduler.requests)}")
+            self.step()
+            if not self._busy():
+                time.sleep(0.005)  # waiting on a peer's note
+        self.rank_sleep()
+        if self.peer is not None:
+            self.peer.call("sleep")
+        return {"ok": True}
+
+    def rank_sleep(self) -> None:
+        """The GPU worker's ``sleep``: the connector unregisters the KV cache, then the
+        allocator releases its memory, whose content is gone. CPU memory under live
+        tensors cannot be unmapped: the content is zeroed instead."""
+        self.worker.unregister_kv_caches()
+        for view in self.views:
+            view.zero_()
+
+    def wake(self, new_registration: bool = False) -> dict[str, Any]:
+        """vLLM's wake-up of the KV cache: every rank's connector registers it again (the
+        GPU worker's ``wake_up``), then the engine core hands every worker's new metadata
+        to the scheduler's connector (``EngineCore.wake_up`` with the ``kv_cache`` tag
+        calls ``_set_kv_connector_handshake_metadata``; run here on this node's scheduler
+        and an executor of its ranks). ``new_registration``: see ``rank_wake``."""
+        from types import SimpleNamespace
+
+        from vllm.v1.engine.core import EngineCore
+
+        self.rank_wake(new_registration)
+        if self.peer is not None:
+            self.peer.call("wake", new_registration)
+        executor = SimpleNamespace(get_kv_connector_handshake_metadata=self._handshake_metadata)
+        EngineCore._set_kv_connector_handshake_metadata(
+            SimpleNamespace(scheduler=self.scheduler, model_executor=executor))
+        return {"ok": True}
+
+    def rank_wake(self, new_registration: bool) -> None:
+        """The GPU worker's ``wake_up``: the connector registers the KV cache again. On a
+        GPU the cache is back on new physical pages, so NIXL's keys and the agent's
+        metadata change; host memory registered again gives the same metadata (UCX's keys
+        for it do not depend on the registration). ``new_registration`` stands in for
+        the GPU's change: one more page registered with this worker's NIXL agent before
+        vLLM's restore reads the agent's metadata (the KV regions are unchanged)."""
+        if new_registration:
+            import torch
+
+            w = self.worker.connector_worker
+            agent = getattr(w.nixl_wrapper, "_agent", w.nixl_wrapper)  # without hold keys
+            page = torch.zeros(4096, dtype=torch.int8)
+            agent.register_memory(agent.get_reg_descs([(page.data_ptr(), page.numel(), 0, "")],
+                                                      "DRAM"), backends=w.nixl_backends)
+            self.pages = [*getattr(self, "pages", []), page]  # registered: kept alive
+        self.worker.restore_kv_caches()
+
+    def payload_digests(self) -> dict[str, str]:
+        """The SHA-256 of each rank's handshake payload as vLLM encodes it now."""
+        import hashlib
+
+        import msgspec
+
+        encoder = msgspec.msgpack.Encoder()
+        return {f"{pp},{tp}": hashlib.sha256(encoder.encode(meta)).hexdigest()
+                for worker in self._handshake_metadata() for (pp, tp), meta in worker.items()}
+
+    def fetch_digests(self, host: str, port: int, engine_id: str, ranks: list[list[int]]
+                      ) -> dict[str, str]:
+        """What a peer's side channel serves, fetched as this node's decode fetches it
+        (its worker's own transport): the SHA-256 of each rank's payload."""
+        import hashlib
+
+        fetched = self.worker.connector_worker._kvbridge_fetch(
+            host, port, [(pp, tp) for pp, tp in ranks], engine_id)
+        return {f"{pp},{tp}": hashlib.sha256(data).hexdigest()
+                for (pp, tp), data in fetched.payloads.items()}
 
     # -- the rank-1 worker's side of tp=2 ------------------------------------------------
 

@@ -71,3 +71,8 @@ def handshake_lines(d: Node, p: Node) -> list[str]:
     line = f"kvbridge handshake: http 127.0.0.1:{p.info['port']} engine {p.engine_id} "
     return [s for s in d.log_text().splitlines() if line in s]
 
+
+def republishes(p: Node) -> int:
+    """How many times ``p``'s side channel took new payloads from vLLM's engine core."""
+    line = f"kvbridge side channel: republished {p.info['tp']} rank(s) of engine {p.engine_id}"
+    return sum(line in s for s in p.log_text().splitlines())
