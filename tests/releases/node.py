@@ -480,8 +480,8 @@ class Node:
     def rank_wake(self, new_registration: bool) -> None:
         """The GPU worker's ``wake_up``: the connector registers the KV cache again. On a
         GPU the cache is back on new physical pages, so NIXL's keys and the agent's
-        metadata change; host memory registered again gives the same metadata (UCX's keys
-        for it do not depend on the registration). ``new_registration`` stands in for
+        metadata change; host memory registered again gives byte-identical metadata (the
+        same memory at the same address, the same keys). ``new_registration`` stands in for
         the GPU's change: one more page registered with this worker's NIXL agent before
         vLLM's restore reads the agent's metadata (the KV regions are unchanged)."""
         if new_registration:
