@@ -9,8 +9,18 @@ stand-in is the forward: a step writes a known value per (token, position) into 
 the scheduler gave, so a decode can check the bytes it READ, and samples a token that is a
 function of the sequence.
 
+With ``tp=2`` the process is the engine core and the rank-0 worker, and runs the rank-1
+worker in a child process (this file, ``--worker FD``): one gloo group of world size 2, a
+plug-in worker connector and a KV cache of half of the KV heads per rank, each with the
+release's bracket. The scheduler gathers both ranks' handshake metadata, every step's
+``SchedulerOutput`` goes to both ranks, and their outputs are combined by vLLM's
+``KVOutputAggregator``. The value written encodes the global KV head, so a decode rank
+checks it has exactly its share of heads.
+
 Commands are JSON lines on stdin, answers JSON lines on stdout (logs go to stderr):
-``start``, ``add``, ``run``, ``note``, ``corrupt``, ``preempt``, ``state``, ``quit``.
+``start``, ``add``, ``run``, ``note``, ``corrupt``, ``preempt``, ``state``, ``quit``; for a
+republish (vLLM 0.33+): ``sleep``, ``wake``, ``sleep_mode``, ``payload_digests``,
+``fetch_digests``.
 """
 
 from __future__ import annotations
@@ -42,9 +52,16 @@ def model_dir(root: Path) -> Path:
     return root
 
 
-def kv_value(token: int, position: int, layer: int) -> float:
-    """What the stand-in forward writes for one token: exact in float32."""
-    return float((token * 4096 + position) * (layer + 1))
+MAX_POSITION = 1024  # kv_value's positions, so that every value is below 2**24
+
+
+def kv_value(token: int, position: int, layer: int, head: int = 0) -> float:
+    """What the stand-in forward writes for one token in one KV head (numbered over the
+    whole model, not the rank): distinct per (token, position, layer, head) and exact in
+    float32 (tokens below 1000: at most 2**23)."""
+    assert 0 <= position < MAX_POSITION and 0 <= head < NUM_KV_HEADS
+    return float(((token * MAX_POSITION + position) * len(LAYERS) + layer) * NUM_KV_HEADS
+                 + head)
 
 
 def sample(tokens: list[int]) -> int:
@@ -58,15 +75,18 @@ class Node:
         self.events: dict[str, dict[str, Any]] = {}
         self.loaded: dict[str, dict[str, Any]] = {}
         self.stats: dict[str, Any] = {}  # the connector's stats, added up over the steps
+        self.rank, self.tp = 0, 1
+        self.rank_stats: dict[int, dict[str, Any]] = {}  # each rank's, before aggregation
+        self.peer: _Peer | None = None  # tp=2: the rank-1 worker's process
 
     # -- set-up ------------------------------------------------------------------------
 
     def start(self, block_size: int, num_blocks: int, extra: dict[str, Any],
-              model: str, model_len: int = 512, batch_tokens: int = 512,
+              model: str, model_len: int = 512, batch_tokens: int = 512, tp: int = 1,
               connector: str = "KVBridgeConnector") -> dict[str, Any]:
         """``model``: a directory for the model's config.json, one for every node of a
-        test (its path is part of vLLM's compatibility hash). ``connector``: the plug-in's
-        class (``KVBridgePushConnector`` for push mode)."""
+        test (its path is part of vLLM's compatibility hash). ``tp``: 1 or 2 ranks.
+        ``connector``: the plug-in's class (``KVBridgePushConnector`` for push mode)."""
         import torch
         import vllm
         from vllm.config import (
@@ -74,6 +94,7 @@ class Node:
             DeviceConfig,
             KVTransferConfig,
             ModelConfig,
+            ParallelConfig,
             SchedulerConfig,
             VllmConfig,
             set_current_vllm_config,
@@ -83,6 +104,8 @@ class Node:
         self.version = vllm.__version__
         _cpu_without_triton_cpu()
         self.block_size = block_size
+        assert tp in (1, 2) and model_len <= MAX_POSITION, (tp, model_len)
+        self.tp = tp
         ktc = KVTransferConfig(
             kv_connector=connector, kv_connector_module_path="kvbridge.vllm",
             kv_role="kv_both", kv_buffer_device="cpu", kv_connector_extra_config=extra)
@@ -93,8 +116,10 @@ class Node:
                              enable_chunked_prefill=True)
         cc = CacheConfig(block_size=block_size, enable_prefix_caching=False)
         self.config = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc,
-                                 kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
+                                 kv_transfer_config=ktc, device_config=DeviceConfig("cpu"),
+                                 parallel_config=ParallelConfig(tensor_parallel_size=tp))
+        _logging(self.config)
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS // tp,
                                  head_size=HEAD_SIZE, dtype=torch.float32)
         with set_current_vllm_config(self.config):
             _resolve_layout(self.config, spec)
@@ -109,9 +134,10 @@ class Node:
         inner = sched_conn.connector_scheduler
         return {"version": self.version, "engine_id": sched_conn.engine_id,
                 "host": inner.side_channel_host, "port": inner.side_channel_port,
-                "bracket": self.bracket_name}
+                "bracket": self.bracket_name, "tp": tp}
 
-    def _start_worker(self) -> None:
+    def _start_worker(self, port: int | None = None) -> None:
+        """``port``: the group's, given to rank 1 (rank 0 picks it and starts rank 1)."""
         import torch
         from vllm.distributed import (
             ensure_model_parallel_initialized,
@@ -120,10 +146,21 @@ class Node:
         from vllm.distributed.kv_transfer import ensure_kv_transfer_initialized
         from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
-        port = _free_port()
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+        if port is None:
+            port = _free_port()
+            if self.tp > 1:  # the rank-1 worker joins the group from its own process
+                self.peer = _Peer(self.config, self.kv_cache_config, self.block_size, port)
+        # As vLLM's CPU worker: its kernels (where they load), which decide whether the TP
+        # group talks over vLLM's shared memory, and the name of that memory. Every rank
+        # must take the same path.
+        from vllm.platforms import current_platform
+
+        current_platform.import_kernels()
+        os.environ["VLLM_DIST_IDENT"] = str(port)
+        init_distributed_environment(world_size=self.tp, rank=self.rank,
+                                     local_rank=self.rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{port}")
-        ensure_model_parallel_initialized(1, 1)
+        ensure_model_parallel_initialized(self.tp, 1)
         try:
             ensure_kv_transfer_initialized(self.config, self.kv_cache_config)
         except TypeError:  # a release whose state takes the config alone
@@ -136,6 +173,8 @@ class Node:
         self.views = list(self.kv.values())
         self.bracket = _Bracket(self.config, self.kv)
         self.bracket_name = self.bracket.name
+        if self.peer is not None:
+            self.peer.call("ready")
 
     def _start_scheduler(self, block_size: int) -> None:
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -146,13 +185,32 @@ class Node:
             structured_output_manager=StructuredOutputManager(self.config),
             block_size=block_size, log_stats=True)
         # The engine core's hand-over: every worker's handshake metadata, by (pp, tp).
-        meta = self.worker.get_handshake_metadata()
         conn = self.scheduler.get_kv_connector()
-        content = {(0, 0): meta}
+        content: dict[tuple[int, int], Any] = {}
+        for worker_dict in self._handshake_metadata():
+            content.update(worker_dict)
+        if self.peer is not None:  # as the engine core, for the executor's outputs
+            from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+            self.aggregator = KVOutputAggregator.from_connector(conn, self.tp)
         if hasattr(conn, "set_xfer_handshake_metadata_pp_aware"):
             conn.set_xfer_handshake_metadata_pp_aware(content)
         else:
             conn.set_xfer_handshake_metadata(content)
+
+    def _own_handshake_metadata(self) -> dict[tuple[int, int], Any]:
+        """This worker's, keyed as vLLM's ``Worker.get_kv_connector_handshake_metadata``."""
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return {(get_pp_group().rank_in_group, get_tp_group().rank_in_group):
+                self.worker.get_handshake_metadata()}
+
+    def _handshake_metadata(self) -> list[dict[tuple[int, int], Any]]:
+        """The executor's ``get_kv_connector_handshake_metadata``: one dict per worker."""
+        out = [self._own_handshake_metadata()]
+        if self.peer is not None:
+            out.append(self.peer.call("meta"))
+        return out
 
     # -- requests ----------------------------------------------------------------------
 
@@ -199,8 +257,15 @@ class Node:
     def step(self) -> None:
         so = self.scheduler.schedule()
         scheduled = self._scheduled(so)
+        if self.peer is not None:  # before this rank's bracket binds the metadata
+            self.peer.send("step", so, scheduled,
+                           {r: self.tokens[r] for r, _, _, _ in scheduled})
         kv_out = self.bracket.run(so, lambda: self._forward(so, scheduled))
         out = self._model_runner_output(scheduled, kv_out)
+        self._add_rank_stats(0, kv_out)
+        if self.peer is not None:
+            out = self._aggregate(out, *self.peer.answer())
+            kv_out = out.kv_connector_output
         engine_outputs = self.scheduler.update_from_output(so, out)
         for eco in engine_outputs.values():
             for o in eco.outputs:
@@ -216,16 +281,33 @@ class Node:
             if kv_out.kv_connector_stats is not None:
                 self._add_stats(kv_out.kv_connector_stats.data)
 
-    def _add_stats(self, data: dict[str, Any]) -> None:
+    def _add_stats(self, data: dict[str, Any], into: dict[str, Any] | None = None) -> None:
+        stats = self.stats if into is None else into
         for key, value in data.items():
             if isinstance(value, (int, float)):
-                self.stats[key] = self.stats.get(key, 0) + value
+                stats[key] = stats.get(key, 0) + value
             elif value and all(isinstance(v, str) for v in value):  # labels: counted
-                counts = self.stats.setdefault(key, {})
+                counts = stats.setdefault(key, {})
                 for v in value:
                     counts[v] = counts.get(v, 0) + 1
             elif value:
-                self.stats[key + "_count"] = self.stats.get(key + "_count", 0) + len(value)
+                stats[key + "_count"] = stats.get(key + "_count", 0) + len(value)
+
+    def _add_rank_stats(self, rank: int, kv_out: Any) -> None:
+        """One rank's stats, counted before the aggregator merges them in place."""
+        if kv_out is not None and kv_out.kv_connector_stats is not None:
+            self._add_stats(kv_out.kv_connector_stats.data,
+                            self.rank_stats.setdefault(rank, {}))
+
+    def _aggregate(self, out: Any, peer_out: Any, peer_loaded: dict[str, Any]) -> Any:
+        """The executor's side: rank 1's output joins rank 0's through vLLM's aggregator
+        (a request is done sending or receiving once every rank says so)."""
+        self._add_rank_stats(1, peer_out.kv_connector_output)
+        for req_id, checked in peer_loaded.items():
+            mine = self.loaded[req_id]
+            mine["wrong"] += checked["wrong"]
+            mine["ranks"].update(checked["ranks"])
+        return self.aggregator.aggregate([out, peer_out], 0)
 
     def wait_stat(self, key: str, label: str, at_least: int, timeout: float = 30.0
                   ) -> dict[str, Any]:
@@ -266,20 +348,33 @@ class Node:
             for pos in range(start, start + n):
                 b, s = blocks[pos // bs], pos % bs
                 for layer, view in enumerate(self.views):
-                    v = kv_value(toks[pos], pos, layer)
-                    view[b, :, s, :] = v
+                    view[b, :, s, :] = self._head_values(toks[pos], pos, layer)
+
+    def _heads(self) -> list[int]:
+        """The global KV heads this rank holds, in the order of its cache's head axis."""
+        per_rank = NUM_KV_HEADS // self.tp
+        return list(range(self.rank * per_rank, (self.rank + 1) * per_rank))
+
+    def _head_values(self, token: int, pos: int, layer: int) -> Any:
+        """This rank's heads' values for one token, shaped [head, 1] against [H, C]."""
+        import torch
+
+        return torch.tensor([[kv_value(token, pos, layer, h)] for h in self._heads()])
 
     def _check_loaded(self, req_id: str, n: int, blocks: list[int]) -> dict[str, Any]:
-        """Before its first forward after a READ: do its blocks hold the prompt's KV?"""
+        """Before its first forward after a READ: do its blocks hold the prompt's KV, in
+        every head of this rank's share (``ranks``: each rank's own count)?"""
         bs, toks = self.block_size, self.tokens[req_id]
         wrong = 0
         for pos in range(n):
             b, s = blocks[pos // bs], pos % bs
             for layer, view in enumerate(self.views):
-                v = kv_value(toks[pos], pos, layer)
-                if not bool((view[b, :, s, :] == v).all()):
+                if not bool((view[b, :, s, :] == self._head_values(toks[pos], pos, layer)
+                             ).all()):
                     wrong += 1
-        return {"tokens": n, "wrong": wrong}
+        return {"tokens": n, "wrong": wrong,
+                "ranks": {str(self.rank): {"tokens": n, "wrong": wrong,
+                                           "heads": self._heads()}}}
 
     def _model_runner_output(self, scheduled: list[tuple[str, int, int, list[int]]],
                              kv_out: Any) -> Any:
@@ -305,6 +400,147 @@ class Node:
             kwargs["pooler_output"] = []
         return ModelRunnerOutput(**kwargs)
 
+    # -- sleep mode and a republish (vLLM 0.33+) ----------------------------------------
+
+    def sleep_mode(self) -> dict[str, Any]:
+        """Sleep mode asked of this release and of the plug-in: whether vLLM's pull
+        connector has the republish (``supports_sleep_mode``, ``restore_kv_caches``), what
+        vLLM's own config check says of the plug-in, and whether the plug-in's connector
+        builds, all with ``enable_sleep_mode`` set on this node's config."""
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+            NixlPullConnector,
+        )
+
+        out: dict[str, Any] = {
+            "supports_sleep_mode": hasattr(NixlPullConnector, "supports_sleep_mode"),
+            "restore_kv_caches": hasattr(NixlPullConnector, "restore_kv_caches")}
+        mc = self.config.model_config
+        mc.enable_sleep_mode = True  # not at construction: vLLM's CPU platform refuses it
+        try:
+            try:
+                self.config._verify_kv_transfer_compat()
+                out["vllm_check"] = "accepted"
+            except ValueError as e:
+                out["vllm_check"] = str(e)
+            try:
+                conn = KVConnectorFactory.create_connector(
+                    self.config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
+            except Exception as e:  # noqa: BLE001 - the answer is the refusal
+                out["plugin"] = f"{type(e).__name__}: {e}"
+            else:
+                conn.shutdown()
+                out["plugin"] = "built"
+        finally:
+            mc.enable_sleep_mode = False
+        return out
+
+    def sleep(self, timeout: float = 30.0) -> dict[str, Any]:
+        """vLLM's sleep (level 1) as far as the KV cache goes, on every rank. The engine
+        core pauses first and lets the requests in flight finish (a held one: until its
+        READ is done)."""
+        deadline = time.monotonic() + timeout
+        while self.scheduler.requests:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"requests in flight: {sorted(self.scheduler.requests)}")
+            self.step()
+            if not self._busy():
+                time.sleep(0.005)  # waiting on a peer's note
+        self.rank_sleep()
+        if self.peer is not None:
+            self.peer.call("sleep")
+        return {"ok": True}
+
+    def rank_sleep(self) -> None:
+        """The GPU worker's ``sleep``: the connector unregisters the KV cache, then the
+        allocator releases its memory, whose content is gone. CPU memory under live
+        tensors cannot be unmapped: the content is zeroed instead."""
+        self.worker.unregister_kv_caches()
+        for view in self.views:
+            view.zero_()
+
+    def wake(self, new_registration: bool = False) -> dict[str, Any]:
+        """vLLM's wake-up of the KV cache: every rank's connector registers it again (the
+        GPU worker's ``wake_up``), then the engine core hands every worker's new metadata
+        to the scheduler's connector (``EngineCore.wake_up`` with the ``kv_cache`` tag
+        calls ``_set_kv_connector_handshake_metadata``; run here on this node's scheduler
+        and an executor of its ranks). ``new_registration``: see ``rank_wake``."""
+        from types import SimpleNamespace
+
+        from vllm.v1.engine.core import EngineCore
+
+        self.rank_wake(new_registration)
+        if self.peer is not None:
+            self.peer.call("wake", new_registration)
+        executor = SimpleNamespace(get_kv_connector_handshake_metadata=self._handshake_metadata)
+        EngineCore._set_kv_connector_handshake_metadata(
+            SimpleNamespace(scheduler=self.scheduler, model_executor=executor))
+        return {"ok": True}
+
+    def rank_wake(self, new_registration: bool) -> None:
+        """The GPU worker's ``wake_up``: the connector registers the KV cache again. On a
+        GPU the cache is back on new physical pages, so NIXL's keys and the agent's
+        metadata change; host memory registered again gives byte-identical metadata (the
+        same memory at the same address, the same keys). ``new_registration`` stands in for
+        the GPU's change: one more page registered with this worker's NIXL agent before
+        vLLM's restore reads the agent's metadata (the KV regions are unchanged)."""
+        if new_registration:
+            import torch
+
+            w = self.worker.connector_worker
+            agent = getattr(w.nixl_wrapper, "_agent", w.nixl_wrapper)  # without hold keys
+            page = torch.zeros(4096, dtype=torch.int8)
+            agent.register_memory(agent.get_reg_descs([(page.data_ptr(), page.numel(), 0, "")],
+                                                      "DRAM"), backends=w.nixl_backends)
+            self.pages = [*getattr(self, "pages", []), page]  # registered: kept alive
+        self.worker.restore_kv_caches()
+
+    def payload_digests(self) -> dict[str, str]:
+        """The SHA-256 of each rank's handshake payload as vLLM encodes it now."""
+        import hashlib
+
+        import msgspec
+
+        encoder = msgspec.msgpack.Encoder()
+        return {f"{pp},{tp}": hashlib.sha256(encoder.encode(meta)).hexdigest()
+                for worker in self._handshake_metadata() for (pp, tp), meta in worker.items()}
+
+    def fetch_digests(self, host: str, port: int, engine_id: str, ranks: list[list[int]]
+                      ) -> dict[str, str]:
+        """What a peer's side channel serves, fetched as this node's decode fetches it
+        (its worker's own transport): the SHA-256 of each rank's payload."""
+        import hashlib
+
+        fetched = self.worker.connector_worker._kvbridge_fetch(
+            host, port, [(pp, tp) for pp, tp in ranks], engine_id)
+        return {f"{pp},{tp}": hashlib.sha256(data).hexdigest()
+                for (pp, tp), data in fetched.payloads.items()}
+
+    # -- the rank-1 worker's side of tp=2 ------------------------------------------------
+
+    def rank_ready(self) -> None:
+        """Its worker started (the connector, the KV cache and its registration)."""
+
+    def rank_meta(self) -> dict[tuple[int, int], Any]:
+        return self._own_handshake_metadata()
+
+    def rank_step(self, so: Any, scheduled: list[tuple[str, int, int, list[int]]],
+                  tokens: dict[str, list[int]]) -> tuple[Any, dict[str, Any]]:
+        """One step's bracket and forward; what a worker returns to the executor (its
+        connector's output only: rank 0's carries the sampled tokens) and what READ
+        blocks held before the forward."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        self.tokens.update(tokens)
+        checked = set(self.loaded)
+        kv_out = self.bracket.run(so, lambda: self._forward(so, scheduled))
+        return (ModelRunnerOutput.with_kv_conn_output_only(kv_out),
+                {r: v for r, v in self.loaded.items() if r not in checked})
+
+    def rank_quit(self) -> None:
+        self.worker.shutdown()
+
     # -- faults ------------------------------------------------------------------------
 
     def note(self, peer_engine: str, message: str) -> dict[str, Any]:
@@ -327,15 +563,97 @@ class Node:
         return {"ok": True}
 
     def state(self) -> dict[str, Any]:
-        return {"stats": self.stats,
+        return {"stats": self.stats, "rank_stats": self.rank_stats,
                 "free_blocks": self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
                 "requests": sorted(self.scheduler.requests)}
 
     def quit(self) -> None:
+        if self.peer is not None:
+            self.peer.close()
         self.worker.shutdown()
         conn = self.scheduler.get_kv_connector()
         if conn is not None:
             conn.shutdown()
+
+
+class _Peer:
+    """The rank-1 worker's process (this file, ``--worker FD``), spoken to with pickles
+    over a socket pair, as vLLM's executor speaks to its workers."""
+
+    def __init__(self, config: Any, kv_cache_config: Any, block_size: int, port: int):
+        import socket
+        import subprocess
+        from multiprocessing.connection import Connection
+
+        mine, theirs = socket.socketpair()
+        # Its output goes to this node's log (fd 1 here carries the answers).
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=sys.__stderr__,
+            stderr=sys.__stderr__)
+        theirs.close()
+        self.conn = Connection(mine.detach())
+        self.conn.send((config, kv_cache_config, block_size, port))
+
+    def send(self, op: str, *args: Any) -> None:
+        self.conn.send((op, *args))
+
+    def answer(self) -> Any:
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the rank-1 worker died (exit {self.proc.wait()})") from None
+        if status == "error":
+            raise RuntimeError(f"the rank-1 worker: {value}")
+        return value
+
+    def call(self, op: str, *args: Any) -> Any:
+        self.send(op, *args)
+        return self.answer()
+
+    def close(self) -> None:
+        import subprocess
+
+        try:
+            self.call("quit")
+        except (OSError, RuntimeError):
+            pass
+        self.conn.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def worker_main(fd: int) -> None:
+    """The rank-1 worker of a tp=2 node: its worker set up from rank 0's config and KV
+    cache plan, then ``rank_*`` calls until ``quit`` or rank 0 is gone."""
+    from multiprocessing.connection import Connection
+
+    conn = Connection(fd)
+    config, kv_cache_config, block_size, port = conn.recv()
+    from vllm.config import set_current_vllm_config
+
+    _cpu_without_triton_cpu()
+    _logging(config)
+    node = Node()
+    node.rank, node.tp = 1, config.parallel_config.tensor_parallel_size
+    node.config, node.kv_cache_config, node.block_size = config, kv_cache_config, block_size
+    with set_current_vllm_config(config):
+        node._start_worker(port)
+    while True:
+        try:
+            op, *args = conn.recv()
+        except EOFError:
+            break
+        try:
+            conn.send(("ok", getattr(node, "rank_" + op)(*args)))
+        except Exception:  # noqa: BLE001 - rank 0 raises it
+            conn.send(("error", traceback.format_exc()))
+        if op == "quit":
+            break
+    os._exit(0)
 
 
 class _Bracket:
@@ -413,6 +731,14 @@ def _plan(config: Any, specs: dict[str, Any], num_blocks: int) -> Any:
     return planning.get_kv_cache_configs(*args)[0]
 
 
+def _logging(config: Any) -> None:
+    """vLLM's logging, as its engine core and worker processes configure it (the
+    plug-in's lines too: handshakes, republishes) into this node's log."""
+    from vllm.logger import configure_logging
+
+    configure_logging(config.logging_config)
+
+
 def _cpu_without_triton_cpu() -> None:
     """vLLM 0.34 refuses x86 CPUs without Triton's CPU backend (``triton-cpu``), which no
     package index here has. No kernel runs in this process, so the check is answered
@@ -456,4 +782,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--worker"]:
+        worker_main(int(sys.argv[2]))
+    else:
+        main()

@@ -58,3 +58,21 @@ def assert_read_whole(result: dict[str, Any], tokens: list[int]) -> None:
     loaded = result["loaded"]
     assert loaded is not None, "the decode computed the prompt instead of reading it"
     assert loaded["tokens"] == len(tokens) - 1 and loaded["wrong"] == 0, loaded
+
+
+def rank_reads(node: Node, result: str) -> dict[int, int]:
+    """Each worker rank's READs with ``result``, before vLLM's aggregator adds them up."""
+    return {int(rank): int(stats.get("kvbridge_kv_reads", {}).get(result, 0))
+            for rank, stats in node("state")["rank_stats"].items()}
+
+
+def handshake_lines(d: Node, p: Node) -> list[str]:
+    """The plug-in's log line of each handshake ``d``'s worker ranks made with ``p``."""
+    line = f"kvbridge handshake: http 127.0.0.1:{p.info['port']} engine {p.engine_id} "
+    return [s for s in d.log_text().splitlines() if line in s]
+
+
+def republishes(p: Node) -> int:
+    """How many times ``p``'s side channel took new payloads from vLLM's engine core."""
+    line = f"kvbridge side channel: republished {p.info['tp']} rank(s) of engine {p.engine_id}"
+    return sum(line in s for s in p.log_text().splitlines())

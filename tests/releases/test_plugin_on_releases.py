@@ -2,7 +2,8 @@
 ``Scheduler`` and ``Request``s, its connector factory and transfer state, its model-runner
 connector bracket, with KV caches registered with real NIXL and the side channel between
 a prefill and a decode in processes of their own (tests/releases/node.py). No model runs:
-a step writes a known value per (token, position), so the decode checks every byte it READ.
+a step writes a known value per (token, position, KV head), so the decode checks every byte
+it READ. One node runs at TP 2 (a process per rank) for heterogeneous TP and a republish.
 """
 
 from __future__ import annotations
@@ -15,17 +16,21 @@ import pytest
 from kvbridge.testing.certs import write_certs
 from kvbridge.testing.etcd import EtcdProcess
 from tests.releases.conftest import Node, start_nodes
+from tests.releases.node import NUM_KV_HEADS
 from tests.releases.pd import (
     BLOCK,
     LEASE_S,
     TOKEN,
     assert_read_whole,
+    handshake_lines,
     held,
     https,
     ignored,
     prompt,
+    rank_reads,
     read,
     reads,
+    republishes,
 )
 
 
@@ -39,9 +44,10 @@ def etcd(log_dir: Path) -> Iterator[EtcdProcess]:
 def nodes(release: str, log_dir: Path, etcd: EtcdProcess) -> Iterator[dict[str, Node]]:
     """Per release: an https prefill (mutual TLS, a token, short leases, chunked prefill) with
     a decode of the same block size and one of twice it; a pair over vLLM's zmq wire; a pair
-    over the etcd method."""
+    over the etcd method; an https node at TP 2, which prefills for the decode and decodes
+    from it."""
     (log_dir / "certs").mkdir()
-    certs = write_certs(log_dir / "certs", ("prefill", "decode"))
+    certs = write_certs(log_dir / "certs", ("prefill", "decode", "tp2"))
     token = log_dir / "token"
     token.write_text(TOKEN + "\n")
     token.chmod(0o600)
@@ -63,6 +69,8 @@ def nodes(release: str, log_dir: Path, etcd: EtcdProcess) -> Iterator[dict[str, 
                "extra": {**etcd_method, "side_channel_port": _free_port()}},
         "De": {"block_size": BLOCK, "num_blocks": 24, "model": model,
                "extra": {**etcd_method, "side_channel_port": _free_port()}},
+        "T": {"block_size": BLOCK, "num_blocks": 24, "model": model, "tp": 2,
+              "extra": {**base, **https(certs, "tp2", token)}},
     }
     started = start_nodes(release, log_dir, specs)
     try:
@@ -193,3 +201,99 @@ def test_the_drift_guard_is_clean_on_the_release(release):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"vLLM {release} (" in r.stdout and "as recorded" in r.stdout
+
+
+@pytest.mark.parametrize(("p_name", "d_name"), [("D", "T"), ("T", "D")],
+                         ids=["prefill-tp1-to-decode-tp2", "prefill-tp2-to-decode-tp1"])
+def test_each_decode_rank_reads_its_share_of_the_kv_heads_validated(nodes, p_name, d_name):
+    """Heterogeneous TP over https with a token: each rank of a TP-2 decode READs its half
+    of the KV heads from the TP-1 prefill; a TP-1 decode READs each half from the TP-2
+    prefill rank that holds it. Every value names its global KV head, so each decode rank
+    checks every byte of its share, and that it came from the right rank."""
+    p, d = nodes[p_name], nodes[d_name]
+    p_tp, d_tp = p.info["tp"], d.info["tp"]
+    req, tokens = f"tp-{p_name}-{d_name}", prompt(30 + d_tp)
+    before = rank_reads(d, "validated")
+    result = read(d, req, tokens, held(p, req, tokens))
+    assert_read_whole(result, tokens)
+    ranks = result["loaded"]["ranks"]
+    assert sorted(ranks) == [str(r) for r in range(d_tp)], ranks
+    assert all(r["tokens"] == len(tokens) - 1 and r["wrong"] == 0 for r in ranks.values()), ranks
+    assert sorted(h for r in ranks.values() for h in r["heads"]) == list(range(NUM_KV_HEADS))
+    after = rank_reads(d, "validated")  # each decode rank validated its own READ
+    assert [after.get(r, 0) - before.get(r, 0) for r in range(d_tp)] == [1] * d_tp
+    assert reads(d, "unvalidated") == 0
+    # each decode rank fetched the prefill ranks it reads from: one, or both
+    lines = handshake_lines(d, p)
+    assert len(lines) >= d_tp, lines
+    assert all(s.endswith(f", {max(1, p_tp // d_tp)} rank(s)") for s in lines), lines
+
+
+def test_sleep_mode_is_accepted_only_where_a_wake_up_republishes(nodes, release):
+    """0.33 and 0.34 republish the NIXL metadata after a wake-up (``supports_sleep_mode``,
+    a registration generation in the params): vLLM's own check accepts the plug-in with
+    sleep mode and it builds. 0.32 has neither: the plug-in refuses sleep mode."""
+    p, d = nodes["T"], nodes["D"]
+    mode = p("sleep_mode")
+    tokens = prompt(35)
+    params = held(p, "generation", tokens)
+    assert_read_whole(read(d, "generation", tokens, params), tokens)
+    if release == "0.32":
+        assert not mode["supports_sleep_mode"] and not mode["restore_kv_caches"], mode
+        assert "remote_registration_generation" not in params
+        assert mode["plugin"] == (
+            "ConfigError: kvbridge.vllm: sleep mode needs a vLLM whose wake-up republishes the "
+            "NIXL metadata (0.33 and later); with this one decodes would read the KV cache "
+            "registered before the sleep")
+    else:
+        assert mode == {"supports_sleep_mode": True, "restore_kv_caches": True,
+                        "vllm_check": "accepted", "plugin": "built"}
+        assert params["remote_registration_generation"] >= 1
+
+
+def test_a_republish_after_a_wake_up_is_picked_up(nodes, release):
+    """vLLM's sleep and wake-up of the KV cache on the TP-2 prefill (node.py's ``sleep``
+    and ``wake``: every rank's connector unregisters it, its content is lost, the connector
+    registers it again, and the engine core hands both ranks' metadata to the plug-in's
+    running side channel again). Host memory registered again has the same metadata, so
+    vLLM keeps its generation and the decode its handshake; a new registration (a GPU's
+    wake-up; node.py's ``rank_wake``) is republished, the generation rises, and the
+    decode handshakes again and fetches it. Either way the decode then READs what the
+    prefill wrote after the wake-up, validated, every byte right."""
+    if release == "0.32":
+        pytest.skip("0.32 has no republish; the plug-in refuses sleep mode there (above)")
+    p, d = nodes["T"], nodes["D"]
+    where = {"host": "127.0.0.1", "port": p.info["port"], "engine_id": p.engine_id,
+             "ranks": [[0, 0], [0, 1]]}
+    tokens = prompt(40)
+    first = held(p, "before-sleep", tokens)
+    assert_read_whole(read(d, "before-sleep", tokens, first), tokens)
+    served = d("fetch_digests", **where)
+    assert served == p("payload_digests")
+    handshakes, republished = len(handshake_lines(d, p)), republishes(p)
+
+    p("sleep")
+    p("wake")
+    assert republishes(p) == republished + 1  # the engine core's hand-over reached it
+    assert p("payload_digests") == served
+    assert d("fetch_digests", **where) == served
+    tokens = prompt(41)
+    params = held(p, "same-registration", tokens)
+    assert params["remote_registration_generation"] == first["remote_registration_generation"]
+    validated = reads(d, "validated")
+    assert_read_whole(read(d, "same-registration", tokens, params), tokens)
+    assert reads(d, "validated") == validated + 1
+    assert len(handshake_lines(d, p)) == handshakes
+
+    p("sleep")
+    p("wake", new_registration=True)
+    new = p("payload_digests")
+    assert sorted(new) == sorted(served) and all(new[r] != served[r] for r in served)
+    assert d("fetch_digests", **where) == new  # the side channel serves the new payloads
+    tokens = prompt(42)
+    params = held(p, "new-registration", tokens)
+    assert params["remote_registration_generation"] > first["remote_registration_generation"]
+    validated = reads(d, "validated")
+    assert_read_whole(read(d, "new-registration", tokens, params), tokens)
+    assert reads(d, "validated") == validated + 1
+    assert len(handshake_lines(d, p)) == handshakes + 1  # picked up: handshaken again
