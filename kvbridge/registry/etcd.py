@@ -1,11 +1,7 @@
-"""etcd v3 through its gRPC gateway (JSON over HTTP/1.1), with the ``etcd3gw`` client.
-
-Unary calls (lease grant/keep-alive/revoke, put, range) go through ``etcd3gw``; the watch
-is read here from the gateway's stream, on a connection this module owns (``http.client``
-on its own socket, so ``close`` can shut it down under a blocked read), because a watch
-that ends (etcd restarted) or reports a compaction must be noticed, which etcd3gw's
-watcher does not do.
-"""
+"""etcd v3 through its gRPC gateway (JSON over HTTP/1.1): unary calls (lease, put, range)
+with ``etcd3gw``; the watch read here, from the gateway's stream on a socket this module
+owns, so that ``close`` can shut it under a blocked read and a watch that ends (etcd
+restarted) or reports a compaction is noticed, which etcd3gw's watcher does not do."""
 
 from __future__ import annotations
 
@@ -138,10 +134,8 @@ def _shaped(obj: object, kind: type[msgspec.Struct], what: str) -> Any:
 
 
 def _checked(kv: object, max_value_bytes: int | None) -> tuple[str, bytes, int, int] | None:
-    """(key, value, mod_revision, create_revision) of one key-value from the gateway, or
-    None (counted) if it
-    is malformed, the key is not UTF-8 or the value is over ``max_value_bytes``: bytes are
-    not trusted until checked."""
+    """(key, value, mod_revision, create_revision) of one key-value from the gateway, or None
+    (counted) if it is malformed, its key not UTF-8 or its value over ``max_value_bytes``."""
     try:
         item = msgspec.convert(kv, _KV, strict=False)
         raw_key = base64.b64decode(item.key, validate=True)
@@ -246,11 +240,9 @@ class EtcdRegistry:
 
     def get_prefix(self, prefix: str, max_value_bytes: int | None = None
                    ) -> tuple[dict[str, bytes], int]:
-        """Every key under ``prefix`` and the store's revision they were read at.
-
-        Keys that are not UTF-8, and values over ``max_value_bytes``, are left out (and
-        counted: ``kvbridge.background.ignored``): etcd holds bytes anyone with write
-        access put there."""
+        """Every key under ``prefix`` and the store's revision they were read at. Keys not
+        UTF-8 and values over ``max_value_bytes`` are left out and counted (``ignored``):
+        etcd holds bytes anyone with write access put there."""
         entries, revision = self.entries(prefix, max_value_bytes)
         return {key: entry.value for key, entry in entries.items()}, revision
 

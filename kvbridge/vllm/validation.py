@@ -162,11 +162,9 @@ class _Pending:
 
 
 def _descs(base: int, n: int) -> np.ndarray:
-    """NIXL descriptors (address, length, device) of ``n`` consecutive 8-byte tags."""
-    out = np.zeros((n, 3), dtype=np.uint64)
-    out[:, 0] = base + 8 * np.arange(n, dtype=np.uint64)
-    out[:, 1] = 8
-    return out
+    """NIXL descriptors (address, length 8, device 0) of ``n`` consecutive 8-byte tags."""
+    return np.stack([base + 8 * np.arange(n, dtype=np.uint64),
+                     np.full(n, 8, dtype=np.uint64), np.zeros(n, dtype=np.uint64)], axis=1)
 
 
 class ReadValidator:
@@ -305,10 +303,8 @@ class ReadValidator:
                             "/".join(str(b) for b in sorted(sizes)), self.block_size)
             return "block_size_mismatch"
         # The READ's blocks: vLLM reads the last ones when the decode has the prefix.
-        k = min(len(exp.remote), len(exp.local))
-        first = len(exp.remote) - k
-        remote = exp.remote[first:]
-        bs = self.block_size
+        first = len(exp.remote) - min(len(exp.remote), len(exp.local))
+        remote, bs = exp.remote[first:], self.block_size
         chain = TagChain(bs)
         expected = [chain.tag(exp.tokens, j, min((j + 1) * bs, exp.num_tokens))
                     for j in range(first, len(exp.remote))]

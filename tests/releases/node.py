@@ -18,7 +18,7 @@ release's bracket. The scheduler gathers both ranks' handshake metadata, every s
 checks it has exactly its share of heads.
 
 Commands are JSON lines on stdin, answers JSON lines on stdout (logs go to stderr):
-``start``, ``add``, ``run``, ``note``, ``corrupt``, ``preempt``, ``state``, ``quit``; for a
+``start``, ``add``, ``run``, ``note``, ``preempt``, ``state``, ``quit``; for a
 republish (vLLM 0.33+): ``sleep``, ``wake``, ``sleep_mode``, ``payload_digests``,
 ``fetch_digests``.
 """

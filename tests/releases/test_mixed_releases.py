@@ -10,6 +10,9 @@ import pytest
 from tests.releases.conftest import Node, start_nodes
 from tests.releases.pd import BLOCK, assert_read_whole, held, prompt, read
 
+# A module's nodes start together: each imports vLLM (15-20 s of CPU), more on loaded cores.
+pytestmark = pytest.mark.timeout(900)
+
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]:

@@ -17,6 +17,9 @@ from kvbridge.testing.certs import write_certs
 from kvbridge.testing.etcd import EtcdProcess
 from tests.releases.conftest import Node, start_nodes
 from tests.releases.test_plugin_on_releases import (
+
+# A module's nodes start together: each imports vLLM (15-20 s of CPU), more on loaded cores.
+pytestmark = pytest.mark.timeout(900)
     BLOCK,
     TOKEN,
     _free_port,
