@@ -18,9 +18,6 @@ from kvbridge.testing.etcd import EtcdProcess
 from tests.releases.conftest import Node, start_nodes
 from tests.releases.node import NUM_KV_HEADS
 from tests.releases.pd import (
-
-# A module's nodes start together: each imports vLLM (15-20 s of CPU), more on loaded cores.
-pytestmark = pytest.mark.timeout(900)
     BLOCK,
     LEASE_S,
     TOKEN,
@@ -35,6 +32,9 @@ pytestmark = pytest.mark.timeout(900)
     reads,
     republishes,
 )
+
+# A module's nodes start together: each imports vLLM (15-20 s of CPU), more on loaded cores.
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,6 @@ from kvbridge.testing.etcd import EtcdProcess
 from tests.releases.conftest import Node, start_nodes
 from tests.releases.test_plugin_on_releases import (
 
-# A module's nodes start together: each imports vLLM (15-20 s of CPU), more on loaded cores.
-pytestmark = pytest.mark.timeout(900)
     BLOCK,
     TOKEN,
     _free_port,
@@ -30,6 +28,9 @@ pytestmark = pytest.mark.timeout(900)
     prompt,
     read,
 )
+
+# A module's nodes start together: each imports vLLM (15-20 s of CPU), more on loaded cores.
+pytestmark = pytest.mark.timeout(900)
 
 PUSH = "KVBridgePushConnector"
 
