@@ -17,7 +17,6 @@ from kvbridge.testing.certs import write_certs
 from kvbridge.testing.etcd import EtcdProcess
 from tests.releases.conftest import Node, start_nodes
 from tests.releases.test_plugin_on_releases import (
-
     BLOCK,
     TOKEN,
     _free_port,
