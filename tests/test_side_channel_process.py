@@ -36,7 +36,7 @@ from kvbridge.handshake import MetadataStore, make_client, side_channel
 from kvbridge.handshake.payloads import PayloadStore
 from kvbridge.handshake.process import LIVENESS_TIMEOUT, SideChannelProcess
 from kvbridge.net import listen_socket
-from kvbridge.testing.procfs import gone, status_field
+from kvbridge.testing.procfs import gone, listening, status_field
 from kvbridge.testing.wait import wait_until
 from kvbridge.vllm.wire import WIRE, VllmZmqClient
 from tests.helpers import compat, rank_meta
@@ -78,11 +78,7 @@ def get(port: int, path: str, **headers: str) -> tuple[int, bytes]:
 
 
 def port_free(port: int) -> bool:
-    try:
-        listen_socket("127.0.0.1", port, "test").close()
-    except ConfigError:
-        return False
-    return True
+    return not listening(port)
 
 
 def test_every_rank_served_from_the_child_with_the_token_checked() -> None:

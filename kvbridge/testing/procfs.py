@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 __all__ = ["children", "cpu_seconds", "gone", "group_cpu_seconds", "group_processes",
-           "instance_rss_mib", "status_field"]
+           "instance_rss_mib", "listening", "status_field"]
 
 
 def status_field(task: str, name: str) -> str:
@@ -75,11 +75,20 @@ def group_cpu_seconds(pgid: int) -> float:
 
 
 def gone(pid: int) -> bool:
-    """No such process, or only its zombie (an orphan nobody here reaps)."""
+    """No such process, or only its zombie (an orphan nobody here reaps). Every thread
+    counts: a thread group's leader shows "Z" as soon as it exits, while its other threads
+    may still be running down and holding the process's files (its sockets)."""
     try:
-        return _stat_fields(pid)[0] in ("Z", "X")
+        tasks = os.listdir(f"/proc/{pid}/task")
     except (FileNotFoundError, ProcessLookupError):
         return True
+    for task in tasks:
+        try:
+            if _stat_fields(f"{pid}/task/{task}")[0] not in ("Z", "X"):
+                return False
+        except (FileNotFoundError, ProcessLookupError):  # that thread just ended
+            continue
+    return True
 
 
 def group_processes(pgid: int, needle: str) -> list[tuple[int, int]]:
@@ -115,3 +124,22 @@ def children(pid: int, needle: str = "") -> list[int]:
             if needle in cmdline.decode() and not gone(child):
                 found.append(child)
     return found
+
+
+_TCP_LISTEN = "0A"
+
+
+def listening(port: int) -> bool:
+    """Whether any socket on this host (this network namespace) listens on TCP ``port``,
+    whoever holds it. Why not try to bind it: an unrelated outgoing connection that drew the
+    same port as its local port makes a bind fail too, on a busy host."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except FileNotFoundError:  # no IPv6
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            if state == _TCP_LISTEN and int(local.rsplit(":", 1)[1], 16) == port:
+                return True
+    return False

@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from kvbridge.handshake.process import LIVENESS_TIMEOUT
-from kvbridge.net import listen_socket
-from kvbridge.testing.procfs import children, gone
+from kvbridge.testing.procfs import children, gone, listening
 from kvbridge.testing.wait import wait_until
 from tests.e2e.conftest import START_TIMEOUT, Serve, complete
 
@@ -63,7 +62,7 @@ def test_the_serve_process_killed_leaves_no_side_channel_and_no_port(prefill, ce
     prefill.proc.kill()
     prefill.proc.wait()
     wait_until(lambda: gone(child), 30, "the side-channel process gone with serve")
-    listen_socket("127.0.0.1", port, "the side channel's port").close()
+    assert not listening(port)
 
 
 def test_the_instances_health_follows_a_stopped_side_channel(prefill, certs):

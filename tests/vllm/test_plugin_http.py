@@ -21,7 +21,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.launch import KVBridgeProcess, free_port, read_metric
 from kvbridge.net import listen_socket
 from kvbridge.testing.etcd import EtcdProcess
-from kvbridge.testing.procfs import gone, group_processes, status_field
+from kvbridge.testing.procfs import gone, group_processes, listening, status_field
 from kvbridge.vllm.launch import VllmServer, decode, pd_text, prefill
 from tests.helpers import wait_until
 from tests.vllm.conftest import (
@@ -126,11 +126,7 @@ def test_wrong_token_is_refused_fast_and_the_prefill_keeps_serving(servers, cert
 
 
 def port_free(port: int) -> bool:
-    try:
-        listen_socket("127.0.0.1", port, "the side channel's port").close()
-    except ConfigError:
-        return False
-    return True
+    return not listening(port)
 
 
 def test_the_side_channel_process_dies_with_vllms_engine_core_killed(servers):
