@@ -9,8 +9,11 @@ no model runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvbridge.testing.procfs import gone
+from kvbridge.testing.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE = str(Path(__file__).with_name("node.py"))
@@ -39,32 +45,100 @@ def release_path(release: str) -> Path | None:
     return path
 
 
-class Node:
-    """One tests/releases/node.py process: a vLLM instance without a model."""
+class Zygote:
+    """One release's ``node.py --zygote``: vLLM imported once, then a node forked per
+    connection (a node then starts in about a second instead of importing vLLM anew)."""
 
-    def __init__(self, release: str, name: str, log_dir: Path):
+    def __init__(self, release: str, log_dir: Path):
         path = release_path(release)
         pythonpath = [str(ROOT)] if path is None else [str(path), str(ROOT)]
+        # OpenBLAS's thread pools (numpy's, OpenCV's) would be the only threads before the
+        # fork; a node does no BLAS work.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath),
-               "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+               "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false",
+               "OPENBLAS_NUM_THREADS": "1"}
+        self.socket = str(log_dir / f"zygote-{release}.sock")
+        self.log_path = log_dir / f"zygote-{release}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, NODE, "--zygote", self.socket],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, env=env,
+                                     cwd=str(log_dir))
+        self.release = release
+
+    def wait_ready(self) -> None:
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            self.stop()
+            raise RuntimeError(f"vLLM {self.release}'s zygote did not start: "
+                               + self.log_path.read_text(errors="replace")[-3000:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+_zygotes: dict[str, Zygote] = {}
+
+
+def zygotes(releases: set[str], log_dir: Path) -> None:
+    """Start the zygotes of these releases not started yet, side by side (each imports its
+    vLLM), and wait for them; they are kept for the session."""
+    started = [_zygotes.setdefault(r, Zygote(r, log_dir))
+               for r in sorted(releases) if r not in _zygotes]
+    try:
+        for z in started:
+            z.wait_ready()
+    except BaseException:
+        for z in started:
+            _zygotes.pop(z.release, None)
+            z.stop()
+        raise
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_zygotes() -> Iterator[None]:
+    yield
+    while _zygotes:
+        _zygotes.popitem()[1].stop()
+
+
+class Node:
+    """One vLLM instance without a model: a tests/releases/node.py process forked by its
+    release's zygote, spoken to in JSON lines over a Unix socket."""
+
+    def __init__(self, release: str, name: str, log_dir: Path):
         self.name = name
         self.log_path = log_dir / f"{release}-{name}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, NODE], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env=env, cwd=str(log_dir))
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        zygotes({release}, log_dir.parent)
+        self._sock.connect(_zygotes[release].socket)
+        self._sock.sendall((json.dumps({"log": str(self.log_path), "cwd": str(log_dir)})
+                            + "\n").encode())
+        self._r = self._sock.makefile("r")
+        self._w = self._sock.makefile("w")
+        first = self._r.readline()
+        if not first:
+            raise RuntimeError(f"node {self.name} was not forked; the zygote's log:\n"
+                               + _zygotes[release].log_path.read_text(errors="replace"))
+        self.pid = int(json.loads(first)["pid"])
         self.info: dict[str, Any] = {}
 
     def send(self, op: str, **kwargs: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
-        self.proc.stdin.flush()
+        self._w.write(json.dumps({"op": op, **kwargs}) + "\n")
+        self._w.flush()
 
     def answer(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
+        line = self._r.readline()
         if not line:
-            raise RuntimeError(f"node {self.name} died (exit {self.proc.wait()}); its log:\n"
+            raise RuntimeError(f"node {self.name} (pid {self.pid}) died; its log:\n"
                                + self.log_tail())
         out = json.loads(line)
         if "error" in out:
@@ -77,12 +151,10 @@ class Node:
         return self.answer()
 
     def log_text(self) -> str:
-        self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def log_tail(self, lines: int = 40) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join(self.log_text().splitlines()[-lines:])
 
     @property
     def engine_id(self) -> str:
@@ -92,20 +164,24 @@ class Node:
         return self("state")["stats"]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if not gone(self.pid):
             try:
                 self.send("quit")
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+                wait_until(lambda: gone(self.pid), 30, f"node {self.name} ended")
+            except (OSError, AssertionError):  # WaitTimeout
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+                wait_until(lambda: gone(self.pid), 30, f"node {self.name} killed")
+        for f in (self._r, self._w, self._sock):
+            with contextlib.suppress(OSError):
+                f.close()
 
 
 def start_nodes(release: str | dict[str, str], log_dir: Path,
                 specs: dict[str, dict[str, Any]]) -> dict[str, Node]:
     """Start every node at once (imports run in parallel), then wait for each.
     ``release``: every node's, or each node's by name."""
+    zygotes({release} if isinstance(release, str) else set(release.values()), log_dir.parent)
     nodes = {name: Node(release if isinstance(release, str) else release[name], name, log_dir)
              for name in specs}
     try:

@@ -577,21 +577,32 @@ class Node:
 
 
 class _Peer:
-    """The rank-1 worker's process (this file, ``--worker FD``), spoken to with pickles
-    over a socket pair, as vLLM's executor speaks to its workers."""
+    """The rank-1 worker's process, spoken to with pickles over a socket, as vLLM's
+    executor speaks to its workers: forked by the zygote when the node came from one
+    (its log is the node's), else this file run with ``--worker FD``."""
 
     def __init__(self, config: Any, kv_cache_config: Any, block_size: int, port: int):
         import socket
         import subprocess
         from multiprocessing.connection import Connection
 
-        mine, theirs = socket.socketpair()
-        # Its output goes to this node's log (fd 1 here carries the answers).
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=sys.__stderr__,
-            stderr=sys.__stderr__)
-        theirs.close()
+        self.proc: subprocess.Popen[bytes] | None = None
+        if zygote := os.environ.get("KVBRIDGE_NODE_ZYGOTE"):
+            mine = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            mine.connect(zygote)
+            mine.sendall((json.dumps({"worker": True, "log": os.environ["KVBRIDGE_NODE_LOG"],
+                                      "cwd": os.getcwd()}) + "\n").encode())
+            with mine.makefile("r") as f:  # its first line; nothing follows before the config
+                self.pid = int(json.loads(f.readline())["pid"])
+        else:
+            mine, theirs = socket.socketpair()
+            # Its output goes to this node's log (fd 1 here carries the answers).
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__, "--worker", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=sys.__stderr__,
+                stderr=sys.__stderr__)
+            theirs.close()
+            self.pid = self.proc.pid
         self.conn = Connection(mine.detach())
         self.conn.send((config, kv_cache_config, block_size, port))
 
@@ -602,7 +613,7 @@ class _Peer:
         try:
             status, value = self.conn.recv()
         except EOFError:
-            raise RuntimeError(f"the rank-1 worker died (exit {self.proc.wait()})") from None
+            raise RuntimeError(f"the rank-1 worker (pid {self.pid}) died") from None
         if status == "error":
             raise RuntimeError(f"the rank-1 worker: {value}")
         return value
@@ -619,6 +630,8 @@ class _Peer:
         except (OSError, RuntimeError):
             pass
         self.conn.close()
+        if self.proc is None:  # the zygote's child: the kernel reaps it
+            return
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -781,8 +794,102 @@ def main() -> None:
     os._exit(0)
 
 
+# What a node imports, loaded once by the zygote so that each node forked from it starts
+# without importing vLLM again (a few seconds of CPU per node, dozens of nodes per run).
+# A module a release does not have is skipped.
+PRELOAD = (
+    "torch", "msgspec", "vllm", "vllm.config", "vllm.logger", "vllm.platforms",
+    "vllm.v1.kv_cache_interface", "vllm.v1.request", "vllm.v1.outputs",
+    "vllm.v1.core.sched.scheduler", "vllm.v1.structured_output", "vllm.v1.engine.core",
+    "vllm.v1.worker.utils", "vllm.v1.worker.cpu.kv_connector",
+    "vllm.v1.worker.kv_connector_model_runner_mixin", "vllm.v1.attention.backends.utils",
+    "vllm.forward_context", "vllm.distributed", "vllm.distributed.parallel_state",
+    "vllm.distributed.kv_transfer.kv_transfer_state",
+    "vllm.distributed.kv_transfer.kv_connector.factory",
+    "vllm.distributed.kv_transfer.kv_connector.utils",
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector",
+    "kvbridge.vllm.connector", "kvbridge.vllm.push",
+)
+
+
+def zygote_main(path: str) -> None:
+    """``--zygote PATH``: import what a node imports, then fork one node per connection to
+    the Unix socket ``PATH``. The connection carries the node's commands and answers (its
+    first line is ``{"pid": ...}``); the first line received names the node's log file and
+    working directory. Ends when its stdin closes. Why fork is safe here: nothing before
+    the fork starts a thread (checked), and every agent, socket and group is made after it."""
+    import importlib
+    import select
+    import signal
+    import socket
+
+    answers = sys.stdout
+    sys.stdout = sys.stderr  # as in main(): vLLM's log handler must never hold fd 1
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    _cpu_without_triton_cpu()
+    threads = os.listdir("/proc/self/task")
+    if len(threads) != 1:
+        raise SystemExit(f"zygote: {len(threads)} threads after the imports; fork is unsafe")
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the nodes
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(64)
+    answers.write("ready\n")
+    answers.flush()
+    while True:
+        ready, _, _ = select.select([server, sys.stdin], [], [])
+        if sys.stdin in ready and not sys.stdin.readline():
+            break
+        if server not in ready:
+            continue
+        conn, _ = server.accept()
+        with conn.makefile("r") as f:
+            spec = json.loads(f.readline())
+        sys.stderr.flush()
+        if os.fork() == 0:
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.environ.update(KVBRIDGE_NODE_ZYGOTE=path, KVBRIDGE_NODE_LOG=spec["log"])
+            _become_node(conn, spec["log"], spec["cwd"], spec.get("worker", False))
+        conn.close()
+    os._exit(0)
+
+
+def _become_node(conn: Any, log: str, cwd: str, worker: bool) -> None:
+    """In a forked child: the log as stderr, the pid sent back, then either the node's
+    command loop with the connection as stdin and stdout, or (``worker``) a rank-1 worker
+    speaking pickles over the connection, its output appended to its node's log."""
+    os.setsid()  # a node killed by a test takes no sibling with it
+    # Appending, both: a node and its worker write the same log.
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if worker else os.O_TRUNC),
+                 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.chdir(cwd)
+    conn.sendall((json.dumps({"pid": os.getpid()}) + "\n").encode())
+    try:
+        if worker:
+            os.dup2(2, 1)
+            worker_main(conn.detach())
+        os.dup2(conn.fileno(), 0)
+        os.dup2(conn.fileno(), 1)
+        conn.close()
+        # sys.stderr (and vLLM's log handler) write to fd 2, now the log.
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own
+        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+        main()
+    finally:
+        os._exit(1)
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         worker_main(int(sys.argv[2]))
+    elif sys.argv[1:2] == ["--zygote"]:
+        zygote_main(sys.argv[2])
     else:
         main()
