@@ -1,4 +1,4 @@
-"""The deadline watchdog (``kvbridge.handshake.deadline_watchdog``): each deadline fires
+"""The deadline watchdog (``kvbridge.handshake.http.deadlines``): each deadline fires
 unless cancelled, the nearest first, and arming one that is not the nearest does not wake
 its thread (one wake-up per fetch was a thread switch on every warm handshake)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvbridge.handshake.deadline_watchdog import Watchdog
+from kvbridge.handshake.http.deadlines import Watchdog
 
 
 class CountingCondition(threading.Condition):

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge.config import TLSConfig
-from kvbridge.handshake.http_client import HttpHandshakeClient
-from kvbridge.handshake.http_server import HttpHandshakeServer
-from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer, ZmqReply
+from kvbridge.handshake.http.client import HttpHandshakeClient
+from kvbridge.handshake.http.server import HttpHandshakeServer
+from kvbridge.handshake.zmq.kvbridge_wire import ZmqHandshakeClient, ZmqHandshakeServer, ZmqReply
 from tests.helpers import compat, full_store
 
 TOKEN = "fuzz-token-1f"

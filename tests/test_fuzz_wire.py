@@ -35,8 +35,9 @@ from kvbridge.errors import (
     RetryableHandshakeError,
     WireFormatError,
 )
-from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer, ZmqReply
-from kvbridge.handshake.zmtp_client import zmtp_request
+from kvbridge.handshake.zmq.dealer import zmtp_request
+from kvbridge.handshake.zmq.kvbridge_wire import ZmqHandshakeClient, ZmqHandshakeServer, ZmqReply
+from kvbridge.handshake.zmq.vllm_wire import VllmZmqClient, VllmZmqServer
 from kvbridge.metadata import (
     PAYLOAD_SCHEMA_VERSION,
     SCHEMA_VERSION,
@@ -52,7 +53,6 @@ from kvbridge.registry import (
     InstanceRecord,
     instance_key,
 )
-from kvbridge.vllm.wire import VllmZmqClient, VllmZmqServer
 from tests import zmtp_raw
 from tests.helpers import RawServer, compat, full_store
 
@@ -376,7 +376,7 @@ vllm_replies = st.one_of(
 def test_vllm_client_takes_or_refuses_any_reply(peer, reply):
     peer.script = _answers(_frames(reply))
     try:
-        got = _timed(lambda: VllmZmqClient(TIMEOUT, 1024).fetch(HOST, peer.port,
+        got = _timed(lambda: VllmZmqClient(TIMEOUT, 1024).fetch_ranks(HOST, peer.port,
                                                                 [(0, 0), (0, 1)]))
     except KVBridgeError:
         return
@@ -388,7 +388,7 @@ def test_vllm_client_takes_or_refuses_any_reply(peer, reply):
 def test_both_listeners_still_answer_after_the_fuzzing(kvbridge_server, vllm_server, errors):
     ranks = ZmqHandshakeClient(5, compat(), TOKEN).fetch(HOST, kvbridge_server.port)
     assert [r.tp_rank for r in ranks] == [0, 1]
-    got = VllmZmqClient(5, 1 << 20).fetch(HOST, vllm_server.port, [(0, 1), (0, 0)])
+    got = VllmZmqClient(5, 1 << 20).fetch_ranks(HOST, vllm_server.port, [(0, 1), (0, 0)])
     assert got.payloads == {(0, 1): b"rank-1", (0, 0): b"rank-0"}
     assert not errors.records
 
@@ -557,7 +557,7 @@ def test_a_clock_that_is_not_finite_is_refused(peer, clock):
     envelope (the http and etcd methods)."""
     peer.script = _answers(_frames([b"", b"payload", msgspec.msgpack.encode(clock)]))
     with pytest.raises(WireFormatError, match="clock frame .* is not a finite number"):
-        VllmZmqClient(TIMEOUT, 1024).fetch(HOST, peer.port, [(0, 0)])
+        VllmZmqClient(TIMEOUT, 1024).fetch_ranks(HOST, peer.port, [(0, 0)])
     for field in ("clock", "wall"):
         env = PayloadEnvelope(payload_schema=PAYLOAD_SCHEMA_VERSION, kind="k", engine_id="e",
                               epoch="x", clock=1.0, wall=2.0, ranks=[])

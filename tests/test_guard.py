@@ -23,8 +23,8 @@ from starlette.routing import Route
 from kvbridge.config import TLSConfig
 from kvbridge.errors import ConfigError
 from kvbridge.guard import ConnectionBudget, guarded_config
-from kvbridge.handshake.http_client import HttpHandshakeClient
-from kvbridge.handshake.http_server import HttpHandshakeServer
+from kvbridge.handshake.http.client import HttpHandshakeClient
+from kvbridge.handshake.http.server import HttpHandshakeServer
 from kvbridge.testing.api_server import BackgroundServer
 from tests.conftest import ROOT
 from tests.helpers import compat, full_store, wait_until

@@ -34,11 +34,16 @@ from kvbridge.errors import (
 )
 from kvbridge.handshake import make_client, make_server
 from kvbridge.handshake.base import MAX_REQUEST_BYTES, HandshakeClient, HandshakeServer
-from kvbridge.handshake.http_client import HttpHandshakeClient
-from kvbridge.handshake.http_routes import MSGPACK, PATH
-from kvbridge.handshake.http_server import HttpHandshakeServer
-from kvbridge.handshake.tls_sessions import cached_contexts, tls_sessions
-from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer, ZmqReply, ZmqRequest
+from kvbridge.handshake.http.client import HttpHandshakeClient
+from kvbridge.handshake.http.routes import MSGPACK, PATH
+from kvbridge.handshake.http.server import HttpHandshakeServer
+from kvbridge.handshake.http.tls_sessions import cached_contexts, tls_sessions
+from kvbridge.handshake.zmq.kvbridge_wire import (
+    ZmqHandshakeClient,
+    ZmqHandshakeServer,
+    ZmqReply,
+    ZmqRequest,
+)
 from kvbridge.metadata import SCHEMA_VERSION, encode_envelope
 from kvbridge.testing.certs import issue, new_ca
 from tests.helpers import (

@@ -23,9 +23,9 @@ from kvbridge.config import SideChannelConfig, TLSConfig
 from kvbridge.errors import HandshakeTimeout
 from kvbridge.handshake import make_client
 from kvbridge.handshake.base import MetadataStore
-from kvbridge.handshake.http_client import KEEP_WARM_PATH, HttpHandshakeClient
-from kvbridge.handshake.http_server import HttpHandshakeServer
-from kvbridge.handshake.tls_sessions import tls_sessions
+from kvbridge.handshake.http.client import KEEP_WARM_PATH, HttpHandshakeClient
+from kvbridge.handshake.http.server import HttpHandshakeServer
+from kvbridge.handshake.http.tls_sessions import tls_sessions
 from kvbridge.kv_cache import allocate_kv_cache
 from kvbridge.metadata import compat_of, encode_envelope
 from kvbridge.peers import PeerManager

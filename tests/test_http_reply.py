@@ -1,4 +1,4 @@
-"""The side channel client's reply reader (``kvbridge.handshake.http_reply``) on a real
+"""The side channel client's reply reader (``kvbridge.handshake.http.reply``) on a real
 socket pair: what a peer may send, what it may not, and when the connection can be used
 again."""
 
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.errors import HandshakeError, WireFormatError
-from kvbridge.handshake.http_client import HttpHandshakeClient
-from kvbridge.handshake.http_reply import (
+from kvbridge.handshake.http.client import HttpHandshakeClient
+from kvbridge.handshake.http.reply import (
     MAX_HEAD_BYTES,
     MAX_INTERIM,
     ClosedBeforeAnswer,

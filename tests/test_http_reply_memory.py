@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.config import TLSConfig
-from kvbridge.handshake.http_client import HttpHandshakeClient
+from kvbridge.handshake.http.client import HttpHandshakeClient
 
 SERVER = str(Path(__file__).resolve().parent / "tiny_chunks_server.py")
 SIZE = 256 * 1024  # the reply's body, and the client's max_message_bytes

@@ -349,33 +349,41 @@ def module_order(docstring: str) -> list[str]:
 
 
 def inward_upward_imports(module: str, source: str, order: list[str],
-                          is_package: bool = False) -> list[str]:
-    """Imports of ``module`` (in a room whose docstring orders its modules) of a module
-    listed below it. Modules the list does not name are not checked."""
-    parts = module.split(".")
-    if len(parts) < 3 or parts[2] not in order:
+                          is_package: bool = False, package: str | None = None) -> list[str]:
+    """Imports of ``module`` (in ``package``, default its room, whose docstring orders its
+    modules and sub-packages) of one listed below it. What the list does not name is not
+    checked."""
+    package = package or ".".join(module.split(".")[:2])
+    if not module.startswith(package + "."):
         return []
-    me = parts[2]
+    me = module[len(package) + 1:].split(".")[0]
+    if me not in order:
+        return []
     problems = []
     for imp in imports_of(module, source, is_package):
-        t = imp.target.split(".")
-        if t[:2] == parts[:2] and len(t) > 2 and t[2] in order and t[2] != me \
-                and order.index(t[2]) > order.index(me):
+        if not imp.target.startswith(package + "."):
+            continue
+        other = imp.target[len(package) + 1:].split(".")[0]
+        if other in order and other != me and order.index(other) > order.index(me):
             problems.append(f"{module}:{imp.line} imports {imp.target}, listed below "
-                            f"{me} in kvbridge/{parts[1]}/__init__.py's module map")
+                            f"{me} in {package.replace('.', '/')}/__init__.py's module map")
     return problems
 
 
 def test_rooms_with_a_module_map_follow_it():
+    """Every package whose docstring orders its modules, sub-packages included."""
     problems, checked = [], []
-    for init in sorted(PACKAGE.glob("*/__init__.py")):
+    for init in sorted(PACKAGE.rglob("__init__.py")):
         order = module_order(ast.get_docstring(ast.parse(init.read_text())) or "")
-        if not order:
+        if not order or init.parent == PACKAGE:
             continue
-        checked.append(init.parent.name)
-        problems += [p for path, m, src in _sources() if m.startswith(f"kvbridge.{init.parent.name}.")
-                     for p in inward_upward_imports(m, src, order, path.name == "__init__.py")]
-    assert {"handshake", "server"} <= set(checked), checked
+        package = module_name(init)
+        checked.append(package)
+        problems += [p for path, m, src in _sources() if m.startswith(package + ".")
+                     for p in inward_upward_imports(m, src, order, path.name == "__init__.py",
+                                                    package)]
+    assert {"kvbridge.handshake", "kvbridge.server", "kvbridge.handshake.http",
+            "kvbridge.handshake.zmq", "kvbridge.handshake.process"} <= set(checked), checked
     assert not problems, "\n".join(problems)
 
 

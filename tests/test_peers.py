@@ -14,9 +14,9 @@ import torch
 
 from kvbridge.errors import AuthError, EpochChanged, HandshakeError, TransferError
 from kvbridge.handshake.base import HandshakeClient, HandshakeServer
-from kvbridge.handshake.http_client import HttpHandshakeClient
-from kvbridge.handshake.http_server import HttpHandshakeServer
-from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer
+from kvbridge.handshake.http.client import HttpHandshakeClient
+from kvbridge.handshake.http.server import HttpHandshakeServer
+from kvbridge.handshake.zmq.kvbridge_wire import ZmqHandshakeClient, ZmqHandshakeServer
 from kvbridge.kv_cache import allocate_kv_cache
 from kvbridge.metadata import KVLayout, compat_of
 from kvbridge.peers import Peer, PeerManager

@@ -31,7 +31,7 @@ from kvbridge.bounded_http import BoundedHttpTools
 from kvbridge.errors import ConfigError
 from kvbridge.guard import ConnectionBudget, guarded_config, guarded_protocol
 from kvbridge.handshake.base import MAX_REQUEST_BYTES
-from kvbridge.handshake.http_protocol import HeadLimitedHttpTools
+from kvbridge.handshake.http.protocol import HeadLimitedHttpTools
 from kvbridge.launch import KVBridgeProcess, free_port
 from kvbridge.testing.api_server import BackgroundServer
 from kvbridge.testing.procfs import children, instance_rss_mib
@@ -65,7 +65,7 @@ class _Instance:
         self.proxy.wait_healthy(f"http://{HOST}:{self.proxy_port}/health", deadline)
         info = httpx.get(f"http://{HOST}:{self.api_port}/v1/kv/info", timeout=10).json()
         self.side_port = info["side_channel_port"]
-        (self.side_pid,) = children(self.serve.proc.pid, "kvbridge.handshake.child")
+        (self.side_pid,) = children(self.serve.proc.pid, "kvbridge.handshake.process.child")
 
     def stop(self) -> None:
         self.proxy.stop()

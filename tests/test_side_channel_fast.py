@@ -1,4 +1,4 @@
-"""The side channel's requests answered in the protocol layer (kvbridge.handshake.http_fast)
+"""The side channel's requests answered in the protocol layer (kvbridge.handshake.http.fast_path)
 answer exactly as the app does: real servers on loopback, raw HTTP/1.1 over a socket.
 
 Each request goes to two servers on the same store and settings, one with the fast path
@@ -18,8 +18,8 @@ import pytest
 
 from kvbridge.config import SideChannelConfig
 from kvbridge.handshake.authz import Authorizer
-from kvbridge.handshake.http_protocol import HeadLimitedHttpTools
-from kvbridge.handshake.http_server import HttpHandshakeServer
+from kvbridge.handshake.http.protocol import HeadLimitedHttpTools
+from kvbridge.handshake.http.server import HttpHandshakeServer
 from tests.helpers import full_store
 
 TOKEN = "fast-token"

@@ -1,4 +1,4 @@
-"""The side channel in a process of its own (kvbridge.handshake.process): real child
+"""The side channel in a process of its own (kvbridge.handshake.process.parent): real child
 processes serving real clients on loopback, killed for real.
 
 Every method is served from the child with the settings it is given (token, mutual TLS,
@@ -34,11 +34,11 @@ from kvbridge.errors import AuthError, ConfigError
 from kvbridge.guard import ConnectionBudget, GuardCollector
 from kvbridge.handshake import MetadataStore, make_client, side_channel
 from kvbridge.handshake.payloads import PayloadStore
-from kvbridge.handshake.process import LIVENESS_TIMEOUT, SideChannelProcess
+from kvbridge.handshake.process.parent import LIVENESS_TIMEOUT, SideChannelProcess
+from kvbridge.handshake.zmq.vllm_wire import VllmZmqClient
 from kvbridge.net import listen_socket
 from kvbridge.testing.procfs import gone, listening, status_field
 from kvbridge.testing.wait import wait_until
-from kvbridge.vllm.wire import WIRE, VllmZmqClient
 from tests.helpers import compat, rank_meta
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,12 +125,12 @@ def test_the_zmq_method_is_served_from_the_child() -> None:
 def test_vllms_wire_is_served_and_a_republish_reaches_the_child() -> None:
     store = PayloadStore("vllm-nixl/NixlHandshakePayload", "engine-a", "epoch-1", tp_size=2)
     store.set_payloads({(0, 0): b"rank-0", (0, 1): b"rank-1"})
-    with running(side_channel(config("zmq"), store, wire=WIRE)) as server:
+    with running(side_channel(config("zmq"), store, wire="vllm")) as server:
         client = VllmZmqClient(5.0, 1 << 20)
-        assert client.fetch("127.0.0.1", server.port, [(0, 1)]).payloads == {(0, 1): b"rank-1"}
+        assert client.fetch_ranks("127.0.0.1", server.port, [(0, 1)]).payloads == {(0, 1): b"rank-1"}
         store.set_payloads({(0, 1): b"rank-1-after-wake-up"})
         server.payloads_changed({(0, 1): b"rank-1-after-wake-up"})  # returns once served
-        assert client.fetch("127.0.0.1", server.port, [(0, 1)]).payloads == {
+        assert client.fetch_ranks("127.0.0.1", server.port, [(0, 1)]).payloads == {
             (0, 1): b"rank-1-after-wake-up"}
 
 

@@ -21,7 +21,7 @@ from kvbridge.config import SideChannelConfig, TLSConfig
 from kvbridge.errors import AuthError, ConfigError, HandshakeError, RegistryError
 from kvbridge.handshake import make_client, make_server
 from kvbridge.handshake.etcd import HANDSHAKE_PREFIX
-from kvbridge.handshake.http_client import HttpHandshakeClient
+from kvbridge.handshake.http.client import HttpHandshakeClient
 from kvbridge.registry import EtcdRegistry, InstanceRecord, instance_key, parse_registry_url
 from kvbridge.registry.record import INSTANCES_PREFIX
 from kvbridge.server.membership import MAX_RECORD_BYTES, Membership

@@ -2,7 +2,7 @@
 server: the real side-channel process (plain http and https), raw sockets on loopback.
 
 The side channel answers ``/healthz`` and handshakes in its protocol layer
-(kvbridge.handshake.http_fast); those answers were written whatever the client read, and
+(kvbridge.handshake.http.fast_path); those answers were written whatever the client read, and
 reading went on: one such client grew the process by hundreds of MiB. Now reading stops
 once 64 KiB of answers wait unread (kvbridge.bounded_http): the client's sends block, the
 process's memory stays put, and other clients are served meanwhile.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kvbridge.config import SideChannelConfig
 from kvbridge.handshake import MetadataStore, make_client, side_channel
-from kvbridge.handshake.process import SideChannelProcess
+from kvbridge.handshake.process.parent import SideChannelProcess
 from kvbridge.testing.procfs import instance_rss_mib
 from tests.helpers import compat, rank_meta
 

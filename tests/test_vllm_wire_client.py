@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kvbridge.errors import WireFormatError
-from kvbridge.vllm.wire import VllmZmqClient, VllmZmqServer
+from kvbridge.handshake.zmq.vllm_wire import VllmZmqClient, VllmZmqServer
 from tests import zmtp_raw
 from tests.helpers import wait_until
 
@@ -23,7 +23,7 @@ TIMEOUT = 5.0
 # The client in a process of its own, so its RSS is its own: before and after one fetch.
 _CLIENT = """
 import json, sys, time
-from kvbridge.vllm.wire import VllmZmqClient
+from kvbridge.handshake.zmq.vllm_wire import VllmZmqClient
 
 def status(field):
     for line in open("/proc/self/status"):
@@ -34,7 +34,7 @@ port, timeout = int(sys.argv[1]), float(sys.argv[2])
 before = status("VmRSS")
 t0 = time.monotonic()
 try:
-    VllmZmqClient(timeout, 1 << 20).fetch("127.0.0.1", port, [(0, 0)])
+    VllmZmqClient(timeout, 1 << 20).fetch_ranks("127.0.0.1", port, [(0, 0)])
     error = None
 except Exception as e:
     error = f"{type(e).__name__}: {e}"
@@ -70,11 +70,11 @@ def test_reply_bytes_are_capped_at_max_message_bytes():
     server.start()
     try:
         client = VllmZmqClient(10.0, limit)
-        assert client.fetch(HOST, server.port, [(0, 0)]).payloads == {(0, 0): b"p" * limit}
+        assert client.fetch_ranks(HOST, server.port, [(0, 0)]).payloads == {(0, 0): b"p" * limit}
         t0 = time.monotonic()
         with pytest.raises(WireFormatError, match=f"a payload of {limit + 1} bytes, over the "
                                                   f"limit of max_message_bytes {limit}"):
-            client.fetch(HOST, server.port, [(0, 0), (0, 1)])
+            client.fetch_ranks(HOST, server.port, [(0, 0), (0, 1)])
         assert time.monotonic() - t0 < 10.0
     finally:
         server.stop()
@@ -85,4 +85,4 @@ def test_reply_bytes_are_capped_at_max_message_bytes():
         with pytest.raises(WireFormatError, match=rf"reply over the limit of {limit + 16} bytes "
                                                   rf"\(max_message_bytes {limit} \+ 16 for the "
                                                   r"clock frame\)"):
-            VllmZmqClient(10.0, limit).fetch(HOST, srv.port, [(0, 0)])
+            VllmZmqClient(10.0, limit).fetch_ranks(HOST, srv.port, [(0, 0)])

@@ -14,7 +14,12 @@ import zmq
 
 from kvbridge.errors import WireFormatError
 from kvbridge.handshake.base import MAX_REQUEST_BYTES
-from kvbridge.handshake.zmq import ZmqHandshakeClient, ZmqHandshakeServer, ZmqReply, ZmqRequest
+from kvbridge.handshake.zmq.kvbridge_wire import (
+    ZmqHandshakeClient,
+    ZmqHandshakeServer,
+    ZmqReply,
+    ZmqRequest,
+)
 from kvbridge.metadata import SCHEMA_VERSION
 from tests import zmtp_raw
 from tests.helpers import compat, full_store, rank_meta, wait_until
@@ -150,7 +155,7 @@ def test_client_still_reads_a_reply_of_the_largest_size():
 def test_listener_refuses_other_socket_types_and_keeps_serving(kind, caplog):
     server = _server()
     try:
-        with caplog.at_level(logging.WARNING, logger="kvbridge.handshake.zmtp"), \
+        with caplog.at_level(logging.WARNING, logger="kvbridge.handshake.zmq.zmtp"), \
                 zmtp_raw.connect(HOST, server.port, timeout=10, socket_type=kind) as s:
             zmtp_raw.recv_exactly(s, 64)  # our greeting
             s.sendall(zmtp_raw.frame(b"", more=True) + zmtp_raw.frame(b"payload"))

@@ -119,7 +119,7 @@ def _drop_idle(client, port: int) -> None:
 
 def _forget_session(method: str, certs: Path, port: int) -> None:
     """Make the peer unknown to the shared TLS session cache (next connection: full)."""
-    from kvbridge.handshake.tls_sessions import tls_sessions
+    from kvbridge.handshake.http.tls_sessions import tls_sessions
 
     state = tls_sessions(_config(method, certs).tls)
     with state.lock:

@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
     from kvbridge.config import TLSConfig
-    from kvbridge.handshake.http_client import HttpHandshakeClient
-    from kvbridge.handshake.zmq import ZmqHandshakeClient
+    from kvbridge.handshake.http.client import HttpHandshakeClient
+    from kvbridge.handshake.zmq.kvbridge_wire import ZmqHandshakeClient
 
     apply_quick(args, QUICK)
     load_before = load_average()

@@ -336,7 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           "value": errs, "reached": errs == 0})
     return {
         "config": {"levels": levels, "duration_s": args.duration, "schemes": schemes,
-                   "server": "the side-channel process (kvbridge.handshake.child: uvicorn, one "
+                   "server": "the side-channel process (kvbridge.handshake.process.child: uvicorn, one "
                              "event-loop thread, handshakes answered in the protocol layer), "
                              "one per scheme, TP 2 store, 32 layers, token"
                              + (", pinned to core 1" if wrk else ""),

@@ -92,8 +92,8 @@ def fetch_http(port: int, n: int, warm: bool, tls: TLSConfig | None, token: str,
     """Fetches of rank 0 with the client the plug-in's decode uses (kvbridge's http client):
     ``warm``, over one kept connection; else a new client (and connection) each time.
     ``never_met``: no TLS session to resume (a peer never met), else the client's own."""
-    from kvbridge.handshake.http_client import HttpHandshakeClient
-    from kvbridge.handshake.tls_sessions import tls_sessions
+    from kvbridge.handshake.http.client import HttpHandshakeClient
+    from kvbridge.handshake.http.tls_sessions import tls_sessions
 
     samples: list[float] = []
     client = None
@@ -120,7 +120,7 @@ def bare_tls(port: int, n: int, tls: TLSConfig) -> list[float]:
     cold https fetch cannot go below."""
     import socket
 
-    from kvbridge.handshake.tls_sessions import tls_sessions
+    from kvbridge.handshake.http.tls_sessions import tls_sessions
 
     context = tls_sessions(tls).context
     samples: list[float] = []

@@ -30,6 +30,7 @@ from kvbridge.metadata import (
     Compat,
     RankMetadata,
     decode_envelope,
+    decode_payload_envelope,
     encode_envelope,
     to_jsonable,
 )
@@ -38,6 +39,8 @@ from kvbridge.trust import SideChannelTrust
 # Called once per answered request: (route, status, body bytes). How the side channel
 # reports to metrics without knowing about them.
 Observer = Callable[[str, int, int], None]
+
+Rank = tuple[int, int]  # (pp_rank, tp_rank)
 
 # Largest request a side channel accepts: requests carry a rank and a token only.
 MAX_REQUEST_BYTES = 16 * 1024
@@ -71,7 +74,7 @@ class MetadataStore:
         self._encoded: dict[int | None, bytes] = {}
 
     def __getstate__(self) -> dict:
-        # What a side-channel process needs (kvbridge.handshake.control): not the lock, and
+        # What a side-channel process needs (kvbridge.handshake.process.control): not the lock, and
         # not ``health``, a callable of the parent (it forwards the answers instead).
         state = self.__dict__.copy()
         del state["_lock"]
@@ -170,10 +173,22 @@ class HandshakeServer(ABC):
         self.stop()
 
 
+@dataclass(frozen=True)
+class FetchedPayloads:
+    """What a peer answered: its payloads by (pp_rank, tp_rank), who it is, and the
+    estimated offset of its ``perf_counter`` to ours (theirs - ours, seconds)."""
+
+    engine_id: str
+    epoch: str
+    payloads: dict[Rank, bytes]
+    clock_offset: float
+
+
 class HandshakeClient(ABC):
     """Fetches a peer's metadata; the transport is the subclass's business."""
 
     method: str
+    records_lag = False  # True where a stored record can be older than its instance (etcd)
 
     def __init__(self, timeout: float, expected: Compat | None, token: str | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
@@ -244,3 +259,37 @@ class HandshakeClient(ABC):
         if reply.status != 200:
             raise HandshakeError(f"{where} answered {reply.status}: {reply.error}")
         return reply.body
+
+    def fetch_payloads(self, kind: str, host: str, port: int, ranks: list[Rank], *,
+                       expected_engine_id: str | None = None) -> FetchedPayloads:
+        """Opaque payloads (``kind``, a ``PayloadStore``'s) of ``ranks`` of the peer at
+        ``host:port``, within ``timeout`` in total.
+
+        One request when every rank is in one tensor rank (any pipeline stage), else one
+        for all. Where a record can lag its instance (``records_lag``: etcd), a reply from
+        another engine id than ``expected_engine_id`` is asked again until the deadline.
+        """
+        deadline = time.monotonic() + self.timeout
+        tps = {tp for _, tp in ranks}
+        tp_rank = next(iter(tps)) if len(tps) == 1 else None
+        where = f"{self.method}://{host}:{port}"
+        while True:
+            start = time.perf_counter()
+            body = self.fetch_body(host, port, tp_rank, deadline=deadline)
+            recv = time.perf_counter()
+            env = decode_payload_envelope(body, kind, self.max_message_bytes)
+            if (self.records_lag and expected_engine_id is not None
+                    and env.engine_id != expected_engine_id and time.monotonic() < deadline):
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+                continue
+            break
+        got = {(r.pp_rank, r.tp_rank): r.payload for r in env.ranks}
+        missing = [r for r in ranks if r not in got]
+        if missing:
+            raise PeerMismatch(f"{where} has no metadata for ranks {missing} (pp, tp): it "
+                               f"serves {sorted(got)}")
+        # A reply encoded per request (http): the peer's clock at our round trip's midpoint.
+        # A stored one (etcd): its clock advanced by the wall time since it was encoded.
+        age = max(0.0, time.time() - env.wall) if self.records_lag else 0.0
+        offset = env.clock + age - (start + recv) / 2
+        return FetchedPayloads(env.engine_id, env.epoch, {r: got[r] for r in ranks}, offset)

@@ -184,6 +184,7 @@ class EtcdHandshakeServer(HandshakeServer):
 
 class EtcdHandshakeClient(HandshakeClient):
     method = "etcd"
+    records_lag = True
 
     def __init__(
         self,

@@ -5,7 +5,7 @@ A ``PayloadStore`` is a ``MetadataStore`` whose ranks are bytes kvbridge does no
 serve it unchanged: ``/v1/kv/handshake`` answers every rank, ``/v1/kv/handshake/{tp_rank}``
 every pipeline stage of that tensor rank, ``/readyz`` is 200 once every rank is in. Replies
 are ``PayloadEnvelope`` (kvbridge.metadata), encoded per request so that ``clock`` is the
-time of the answer. ``fetch_payloads`` is the client side: one deadline, the transport's
+time of the answer. ``HandshakeClient.fetch_payloads`` is the client side: one deadline, the transport's
 retries inside it. See docs/protocol.md, "Opaque payloads".
 """
 
@@ -14,24 +14,19 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.errors import PeerMismatch
-from kvbridge.handshake.base import HandshakeClient, MetadataStore, Reply
+from kvbridge.handshake.base import FetchedPayloads, HandshakeClient, MetadataStore, Rank, Reply
 from kvbridge.metadata import (
     PAYLOAD_SCHEMA_VERSION,
     Compat,
     PayloadEnvelope,
     RankPayload,
-    decode_payload_envelope,
     encode_payload_envelope,
 )
 
 # Turns one payload into something a person can read in the JSON view.
 Describe = Callable[[bytes], dict[str, Any]]
-
-Rank = tuple[int, int]  # (pp_rank, tp_rank)
 
 
 class PayloadStore(MetadataStore):
@@ -133,47 +128,9 @@ class PayloadStore(MetadataStore):
                 "pp_size": self.pp_size, "ranks": out}
 
 
-@dataclass(frozen=True)
-class FetchedPayloads:
-    """What a peer answered: its payloads by (pp_rank, tp_rank), who it is, and the
-    estimated offset of its ``perf_counter`` to ours (theirs - ours, seconds)."""
-
-    engine_id: str
-    epoch: str
-    payloads: dict[Rank, bytes]
-    clock_offset: float
-
-
 def fetch_payloads(client: HandshakeClient, kind: str, host: str, port: int,
-                   ranks: list[Rank], *, expected_engine_id: str | None = None,
-                   wait_for_engine: bool = False) -> FetchedPayloads:
-    """Fetch ``ranks`` of the peer at ``host:port`` within ``client.timeout`` in total.
-
-    One request when every rank is in one tensor rank (any pipeline stage), else one for
-    all. ``wait_for_engine``: a reply from another engine id is a stale record (etcd, a
-    restarted peer not yet republished) and is asked again until the deadline.
-    """
-    deadline = time.monotonic() + client.timeout
-    tps = {tp for _, tp in ranks}
-    tp_rank = next(iter(tps)) if len(tps) == 1 else None
-    where = f"{client.method}://{host}:{port}"
-    while True:
-        start = time.perf_counter()
-        body = client.fetch_body(host, port, tp_rank, deadline=deadline)
-        recv = time.perf_counter()
-        env = decode_payload_envelope(body, kind, client.max_message_bytes)
-        if (wait_for_engine and expected_engine_id is not None
-                and env.engine_id != expected_engine_id and time.monotonic() < deadline):
-            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-            continue
-        break
-    got = {(r.pp_rank, r.tp_rank): r.payload for r in env.ranks}
-    missing = [r for r in ranks if r not in got]
-    if missing:
-        raise PeerMismatch(f"{where} has no metadata for ranks {missing} (pp, tp): it "
-                           f"serves {sorted(got)}")
-    # A reply encoded per request (http): the peer's clock at our round trip's midpoint.
-    # A stored one (etcd): its clock advanced by the wall time since it was encoded.
-    age = max(0.0, time.time() - env.wall) if client.method == "etcd" else 0.0
-    offset = env.clock + age - (start + recv) / 2
-    return FetchedPayloads(env.engine_id, env.epoch, {r: got[r] for r in ranks}, offset)
+                   ranks: list[Rank], *, expected_engine_id: str | None = None
+                   ) -> FetchedPayloads:
+    """``client.fetch_payloads``, as a function."""
+    return client.fetch_payloads(kind, host, port, ranks,
+                                 expected_engine_id=expected_engine_id)

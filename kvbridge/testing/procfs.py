@@ -93,7 +93,7 @@ def gone(pid: int) -> bool:
 
 def group_processes(pgid: int, needle: str) -> list[tuple[int, int]]:
     """(pid, parent pid) of the live processes of group ``pgid`` whose command line holds
-    ``needle`` (a vLLM server's side-channel process: ``kvbridge.handshake.child``)."""
+    ``needle`` (a vLLM server's side-channel process: ``kvbridge.handshake.process.child``)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

@@ -8,7 +8,7 @@ vLLM loads it by name::
                            "kv_role": "kv_both", "kv_buffer_device": "cpu"}'
 
 Importing this package does not import vLLM: each connector class is loaded (and the vLLM
-version checked) on first access, so ``kvbridge.vllm.launch`` and ``kvbridge.vllm.wire``
+version checked) on first access, so ``kvbridge.vllm.launch`` and ``kvbridge.handshake.zmq.vllm_wire``
 work without it. See docs/vllm.md.
 """
 

@@ -16,12 +16,10 @@ from typing import Any
 import msgspec
 from vllm.platforms import current_platform
 
-from kvbridge.handshake.base import HandshakeClient
+from kvbridge.handshake.base import FetchedPayloads, HandshakeClient, Rank
 from kvbridge.handshake.factory import make_client
-from kvbridge.handshake.payloads import FetchedPayloads, Rank, fetch_payloads
 from kvbridge.vllm.payload import PAYLOAD_KIND, agent_decoder, log, payload_decoder
 from kvbridge.vllm.settings import PluginSettings
-from kvbridge.vllm.wire import VllmZmqClient, vllm_wire_client
 
 
 class SideChannelHandshake:
@@ -40,27 +38,23 @@ class SideChannelHandshake:
         self.kvbridge_settings = settings
         # (host, port) -> the epoch of the instance last handshaken there ("" over zmq)
         self.kvbridge_epochs: dict[tuple[str, int], str] = {}
-        self._kvbridge_client: HandshakeClient | VllmZmqClient | None = None
+        self._kvbridge_client: HandshakeClient | None = None
         self._kvbridge_lock = threading.Lock()
 
-    def _kvbridge_transport(self) -> HandshakeClient | VllmZmqClient:
+    def _kvbridge_transport(self) -> HandshakeClient:
         with self._kvbridge_lock:
             if self._kvbridge_client is None:
                 # As kvbridge serve's decode workers: token rotation (token_file), TLS,
                 # max_message_bytes, trusted side channels, and connections to known
                 # peers kept warm.
                 self._kvbridge_client = make_client(self.kvbridge_settings.side_channel, None,
-                                                    keep_warm=True, zmq=vllm_wire_client)
+                                                    keep_warm=True, wire="vllm")
             return self._kvbridge_client
 
     def _kvbridge_fetch(self, host: str, port: int, ranks: list[Rank],
                         expected_engine_id: str) -> FetchedPayloads:
-        client = self._kvbridge_transport()
-        if isinstance(client, VllmZmqClient):
-            return client.fetch(host, port, ranks)
-        return fetch_payloads(client, PAYLOAD_KIND, host, port, ranks,
-                              expected_engine_id=expected_engine_id,
-                              wait_for_engine=client.method == "etcd")
+        return self._kvbridge_transport().fetch_payloads(
+            PAYLOAD_KIND, host, port, ranks, expected_engine_id=expected_engine_id)
 
     def _nixl_handshake(
         self,

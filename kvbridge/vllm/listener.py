@@ -21,7 +21,6 @@ from kvbridge.handshake.factory import side_channel
 from kvbridge.handshake.payloads import PayloadStore, Rank
 from kvbridge.vllm.payload import PAYLOAD_KIND, describe_payload, log, payload_decoder
 from kvbridge.vllm.settings import PluginSettings
-from kvbridge.vllm.wire import WIRE
 
 
 class SideChannelListener:
@@ -124,7 +123,7 @@ class SideChannelListener:
                              tp_size=self.transfer_tp_size, pp_size=pp_size,
                              describe=describe_payload)
         store.set_payloads(payloads)
-        server = side_channel(sc, store, port, wire=WIRE)
+        server = side_channel(sc, store, port, wire="vllm")
 
         def republish(new: dict[Rank, bytes]) -> None:
             store.set_payloads(new)

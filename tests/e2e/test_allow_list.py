@@ -19,7 +19,7 @@ import pytest
 
 from kvbridge.config import TLSConfig
 from kvbridge.errors import HandshakeError
-from kvbridge.handshake.http_client import HttpHandshakeClient
+from kvbridge.handshake.http.client import HttpHandshakeClient
 from kvbridge.launch import free_port
 from kvbridge.server.proxy import build_proxy_app
 from kvbridge.testing.api_server import BackgroundServer

@@ -23,8 +23,8 @@ import pytest
 
 from kvbridge.config import TLSConfig
 from kvbridge.guard import ConnectionBudget
-from kvbridge.handshake.http_client import HttpHandshakeClient
-from kvbridge.handshake.zmq import ZmqHandshakeClient
+from kvbridge.handshake.http.client import HttpHandshakeClient
+from kvbridge.handshake.zmq.kvbridge_wire import ZmqHandshakeClient
 from kvbridge.launch import KVBridgeProcess, free_port
 from kvbridge.testing.procfs import instance_rss_mib
 from tests import zmtp_raw

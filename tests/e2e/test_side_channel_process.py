@@ -14,12 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvbridge.handshake.process import LIVENESS_TIMEOUT
+from kvbridge.handshake.process.parent import LIVENESS_TIMEOUT
 from kvbridge.testing.procfs import children, gone, listening
 from kvbridge.testing.wait import wait_until
 from tests.e2e.conftest import START_TIMEOUT, Serve, complete
 
-CHILD = "kvbridge.handshake.child"
+CHILD = "kvbridge.handshake.process.child"
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ import pytest
 from kvbridge.config import SideChannelConfig, TLSConfig
 from kvbridge.guard import ConnectionBudget
 from kvbridge.handshake import make_client, side_channel
+from kvbridge.handshake.http.tls_sessions import tls_sessions
 from kvbridge.handshake.payloads import PayloadStore
-from kvbridge.handshake.tls_sessions import tls_sessions
 from kvbridge.net import free_port
 from kvbridge.settings import SETTINGS
 from kvbridge.testing.certs import write_certs
@@ -292,10 +292,11 @@ def test_vllms_zmq_wire_never_drops_a_token() -> None:
     """vLLM's wire has no place for a token: built with one, it refuses rather than serve or
     fetch without it (load_settings refuses the setting first)."""
     from kvbridge.errors import ConfigError
-    from kvbridge.vllm.wire import vllm_wire_client, vllm_wire_server
+    from kvbridge.handshake import make_client, make_server
 
+    cfg = SideChannelConfig.load({"handshake_method": "zmq", "side_channel_port": 0,
+                                  "token": "s3cret"}, {})
     with pytest.raises(ConfigError, match="no place for a side-channel token"):
-        vllm_wire_client(1.0, None, "s3cret", 1 << 20)
+        make_client(cfg, None, wire="vllm")
     with pytest.raises(ConfigError, match="no place for a side-channel token"):
-        vllm_wire_server({})("127.0.0.1", 0, token="s3cret", observer=None,
-                             budget=ConnectionBudget())
+        make_server(cfg, PayloadStore("k", "e", "x", 1), wire="vllm")

@@ -135,7 +135,7 @@ def test_the_side_channel_process_dies_with_vllms_engine_core_killed(servers):
     decode, done with after the test above: its core and memory go to the restart below.)"""
     _, _, wrong = servers
     try:
-        (child, core), = group_processes(wrong.proc.pid, "kvbridge.handshake.child")
+        (child, core), = group_processes(wrong.proc.pid, "kvbridge.handshake.process.child")
         assert core not in (wrong.proc.pid, child)  # the engine core, not the API server
         port = wrong.side_channel_port
         with pytest.raises(ConfigError, match="already in use"):

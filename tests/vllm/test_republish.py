@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.handshake.http_client import HttpHandshakeClient
+from kvbridge.handshake.http.client import HttpHandshakeClient
 from kvbridge.handshake.payloads import fetch_payloads
-from kvbridge.vllm.wire import VllmZmqClient
+from kvbridge.handshake.zmq.vllm_wire import VllmZmqClient
 
 pytest.importorskip("vllm")
 
@@ -43,7 +43,7 @@ def test_a_republish_is_served_over_vllms_zmq_wire() -> None:
     client = VllmZmqClient(5.0, 1 << 20)
     with scheduler_connector({"handshake_method": "zmq"}) as connector:
         publish_twice(connector,
-                      lambda port: client.fetch("127.0.0.1", port, [(0, 0)]).payloads[(0, 0)])
+                      lambda port: client.fetch_ranks("127.0.0.1", port, [(0, 0)]).payloads[(0, 0)])
 
 
 def test_a_republish_reaches_the_etcd_record(etcd) -> None:
@@ -62,8 +62,7 @@ def test_a_republish_reaches_the_etcd_record(etcd) -> None:
             client = EtcdHandshakeClient(5.0, None, endpoint=endpoint)
             try:
                 return fetch_payloads(client, PAYLOAD_KIND, "127.0.0.1", port, [(0, 0)],
-                                      expected_engine_id=engine,
-                                      wait_for_engine=True).payloads[(0, 0)]
+                                      expected_engine_id=engine).payloads[(0, 0)]
             finally:
                 client.close()
 

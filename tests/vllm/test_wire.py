@@ -14,9 +14,10 @@ import pytest
 import zmq
 
 from kvbridge.errors import AuthError, ConfigError, HandshakeTimeout, PeerMismatch, WireFormatError
-from kvbridge.handshake.http_client import HttpHandshakeClient
-from kvbridge.handshake.http_server import HttpHandshakeServer
+from kvbridge.handshake.http.client import HttpHandshakeClient
+from kvbridge.handshake.http.server import HttpHandshakeServer
 from kvbridge.handshake.payloads import PayloadStore, fetch_payloads
+from kvbridge.handshake.zmq.vllm_wire import VllmZmqClient, VllmZmqServer
 from kvbridge.metadata import (
     PayloadEnvelope,
     decode_envelope,
@@ -25,7 +26,6 @@ from kvbridge.metadata import (
 )
 from kvbridge.net import free_port
 from kvbridge.vllm.settings import check_vllm_version, load_settings
-from kvbridge.vllm.wire import VllmZmqClient, VllmZmqServer
 from tests.helpers import full_store
 
 KIND = "test/opaque"
@@ -45,7 +45,7 @@ def test_client_reads_vllms_own_listener():
     t.start()
     try:
         assert ready.wait(10)
-        got = VllmZmqClient(5.0, 1 << 20).fetch("127.0.0.1", port, [(0, 1), (0, 0)])
+        got = VllmZmqClient(5.0, 1 << 20).fetch_ranks("127.0.0.1", port, [(0, 1), (0, 0)])
         assert got.payloads == {(0, 1): b"rank-1-payload", (0, 0): b"rank-0-payload"}
         # Same process, same perf_counter: the estimated offset is about zero.
         assert abs(got.clock_offset) < 0.5
@@ -77,10 +77,10 @@ def test_bounded_zmq_client_and_server():
     server.start()
     try:
         client = VllmZmqClient(2.0, 1 << 20)
-        assert client.fetch("127.0.0.1", server.port, [(0, 0)]).payloads == {(0, 0): b"p0"}
+        assert client.fetch_ranks("127.0.0.1", server.port, [(0, 0)]).payloads == {(0, 0): b"p0"}
         start = time.monotonic()
         with pytest.raises(PeerMismatch, match="tp rank 3"):  # at once, not after a timeout
-            client.fetch("127.0.0.1", server.port, [(0, 3)])
+            client.fetch_ranks("127.0.0.1", server.port, [(0, 3)])
         assert time.monotonic() - start < 1.5
         # A peer sending junk is not answered, and the listener keeps serving.
         junk = zmq.Context.instance().socket(zmq.DEALER)
@@ -89,12 +89,12 @@ def test_bounded_zmq_client_and_server():
         junk.send_multipart([b"", b"\xc1"])
         assert not junk.poll(300)
         junk.close(linger=0)
-        assert client.fetch("127.0.0.1", server.port, [(0, 0)]).payloads == {(0, 0): b"p0"}
+        assert client.fetch_ranks("127.0.0.1", server.port, [(0, 0)]).payloads == {(0, 0): b"p0"}
     finally:
         server.stop()
     start = time.monotonic()
     with pytest.raises(HandshakeTimeout):  # nobody there: the deadline, not vLLM's fixed 5 s
-        VllmZmqClient(0.5, 1 << 20).fetch("127.0.0.1", free_port(), [(0, 0)])
+        VllmZmqClient(0.5, 1 << 20).fetch_ranks("127.0.0.1", free_port(), [(0, 0)])
     assert time.monotonic() - start < 2
 
 
@@ -226,7 +226,7 @@ def test_payloads_over_etcd_and_a_restarted_publisher(etcd):
     first = publish("engine-a", "epoch-1")
     try:
         got = fetch_payloads(client, KIND, "127.0.0.1", port, [(0, 0)],
-                             expected_engine_id="engine-a", wait_for_engine=True)
+                             expected_engine_id="engine-a")
         assert (got.epoch, got.payloads) == ("epoch-1", {(0, 0): b"engine-a"})
         assert abs(got.clock_offset) < 1.0
     finally:
@@ -234,7 +234,7 @@ def test_payloads_over_etcd_and_a_restarted_publisher(etcd):
     second = publish("engine-b", "epoch-2")
     try:
         got = fetch_payloads(client, KIND, "127.0.0.1", port, [(0, 0)],
-                             expected_engine_id="engine-b", wait_for_engine=True)
+                             expected_engine_id="engine-b")
         assert (got.engine_id, got.epoch) == ("engine-b", "epoch-2")
     finally:
         second.stop()

@@ -3,7 +3,7 @@
 Request: ``ZmqRequest`` (schema version, token, tp_rank or None for all ranks).
 Reply: ``ZmqReply`` (HTTP-style status, error text, envelope bytes). The
 envelope is the same as over http. ZMQ here has no TLS: see docs/security.md. Both ends
-speak ZMTP themselves (``kvbridge.handshake.zmtp``, ``zmtp_client``) to bound what a peer's
+speak ZMTP themselves (``kvbridge.handshake.zmq.zmtp``, ``dealer``) to bound what a peer's
 message can make them hold: a request of at most ``MAX_REQUEST_BYTES``, a reply of at most
 ``max_message_bytes`` plus ``REPLY_OVERHEAD``, ``MAX_FRAMES`` frames either way.
 """
@@ -28,8 +28,8 @@ from kvbridge.handshake.base import (
     Reply,
     token_ok,
 )
-from kvbridge.handshake.zmtp import MAX_FRAMES, ZmtpListener
-from kvbridge.handshake.zmtp_client import zmtp_request
+from kvbridge.handshake.zmq.dealer import zmtp_request
+from kvbridge.handshake.zmq.zmtp import MAX_FRAMES, ZmtpListener
 from kvbridge.metadata import SCHEMA_VERSION
 from kvbridge.net import listen_socket
 

@@ -7,7 +7,7 @@ up front, and uvicorn discards what an answered request still sends, for as long
 client sends it. Past the limit the request is answered 413 (unless the app already
 answered) and the connection closed after the linger.
 
-A request ``responder`` can answer (``kvbridge.handshake.http_fast``: a handshake, the
+A request ``responder`` can answer (``kvbridge.handshake.http.fast_path``: a handshake, the
 probes) is answered here, from the parsed head, without an ASGI task; any other goes to the
 app as before. Requests answered in order: one waits behind an app request still running
 on its connection (HTTP pipelining) by going to the app too. So does one that arrives
@@ -21,7 +21,7 @@ from __future__ import annotations
 from kvbridge.bounded_http import BoundedHttpTools, refusal
 from kvbridge.guard import PEER_CERT
 from kvbridge.handshake.base import MAX_REQUEST_BYTES
-from kvbridge.handshake.http_fast import Answer, Responder
+from kvbridge.handshake.http.fast_path import Answer, Responder
 
 __all__ = ["PEER_CERT", "HeadLimitedHttpTools"]
 

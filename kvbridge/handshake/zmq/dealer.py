@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from types import TracebackType
 
 from kvbridge.errors import HandshakeTimeout, RetryableHandshakeError, WireFormatError
-from kvbridge.handshake.zmtp import (
+from kvbridge.handshake.zmq.zmtp import (
     _COMMAND,
     _GREETING,
     _LONG,

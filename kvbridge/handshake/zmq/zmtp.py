@@ -1,5 +1,5 @@
 """ZMTP 3.0 (NULL mechanism) spoken by hand, bounded, for the zmq side channels: the framing
-both ends share and a listener (``ZmtpListener``); the client is ``zmtp_client``.
+both ends share and a listener (``ZmtpListener``); the client is ``dealer``.
 
 libzmq bounds a message's frames one by one (``ZMQ_MAXMSGSIZE``) but not how many frames
 a multipart message has, and keeps every frame until the last one arrives: one endless

@@ -1,6 +1,6 @@
 """The ``http`` side channel's client: HTTP/1.1 on a socket, the request written whole and
-the reply read by ``http_reply`` (llhttp), bounded by one deadline per fetch
-(``deadline_watchdog``) and by ``max_message_bytes``.
+the reply read by ``reply`` (llhttp), bounded by one deadline per fetch
+(``deadlines``) and by ``max_message_bytes``.
 
 One keep-alive connection per peer (a small pool of idle ones when several threads fetch at
 once); TLS contexts and sessions from ``tls_sessions``, shared by every client with the same
@@ -39,10 +39,10 @@ from kvbridge.errors import (
 )
 from kvbridge.handshake.authz import TokenSet
 from kvbridge.handshake.base import HandshakeClient, Reply
-from kvbridge.handshake.deadline_watchdog import WATCHDOG
-from kvbridge.handshake.http_reply import ClosedBeforeAnswer, read_reply
-from kvbridge.handshake.http_routes import MSGPACK, handshake_path
-from kvbridge.handshake.tls_sessions import TlsSessions, tls_sessions
+from kvbridge.handshake.http.deadlines import WATCHDOG
+from kvbridge.handshake.http.reply import ClosedBeforeAnswer, read_reply
+from kvbridge.handshake.http.routes import MSGPACK, handshake_path
+from kvbridge.handshake.http.tls_sessions import TlsSessions, tls_sessions
 from kvbridge.net import url_host
 
 __all__ = ["MAX_IDLE_PER_PEER", "MAX_WARM_PEERS", "HttpHandshakeClient"]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from kvbridge.handshake.authz import Authorizer
 from kvbridge.handshake.base import MetadataStore, Observer
-from kvbridge.handshake.http_routes import MSGPACK, PATH
+from kvbridge.handshake.http.routes import MSGPACK, PATH
 
 __all__ = ["Answer", "Responder", "responder"]
 

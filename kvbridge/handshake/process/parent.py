@@ -1,5 +1,5 @@
 """The side channel in a process of its own: ``SideChannelProcess`` starts
-``python -m kvbridge.handshake.child``, hands it what to serve, and keeps it running.
+``python -m kvbridge.handshake.process.child``, hands it what to serve, and keeps it running.
 
 Why a process: a server that shares its interpreter with an engine answers when the
 engine lets it (vLLM's engine core holds the GIL nearly all the time), and a crash or a GC
@@ -44,10 +44,11 @@ from kvbridge.config import SIDE_CHANNEL_PORT_SETTING, SideChannelConfig
 from kvbridge.errors import SideChannelError
 from kvbridge.guard import GuardMirror
 from kvbridge.handshake.base import HandshakeServer, MetadataStore, Observer
-from kvbridge.handshake.control import Channel, ServerSpec
+from kvbridge.handshake.factory import Wire, make_server
+from kvbridge.handshake.process.control import Channel, ServerSpec
 from kvbridge.net import listen_socket
 
-__all__ = ["SideChannelProcess"]
+__all__ = ["SideChannelProcess", "side_channel"]
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +58,24 @@ PING_INTERVAL = 0.5  # how often the child's serving loop is pinged (with a heal
 LIVENESS_TIMEOUT = 5.0  # a child whose loop answered no ping for this long is down
 
 
+def side_channel(config: SideChannelConfig, store: MetadataStore, port: int | None = None,
+                 observer: Observer | None = None, *, wire: Wire = "kvbridge",
+                 health: Callable[[], str | None] | None = None) -> HandshakeServer:
+    """The side-channel server an instance starts (not started): in a process of its own
+    unless ``config.side_channel_isolation`` is ``thread``. ``health``: why the instance
+    cannot serve KV now (None: it can); the side channel answers 503 meanwhile.
+    ``serve`` and the vLLM plug-in both start theirs here."""
+    if config.side_channel_isolation == "process":
+        return SideChannelProcess(config, store, port, observer, wire=wire, health=health)
+    store.health = health
+    return make_server(config, store, port, observer, wire=wire)
+
+
 class SideChannelProcess(HandshakeServer):
     """A ``HandshakeServer`` whose server runs in a child process (see the module)."""
 
     def __init__(self, config: SideChannelConfig, store: MetadataStore, port: int | None = None,
-                 observer: Observer | None = None, *, wire: str | None = None,
+                 observer: Observer | None = None, *, wire: Wire = "kvbridge",
                  health: Callable[[], str | None] | None = None, start_timeout: float = 60.0):
         self.method = config.handshake_method
         self.store = store
@@ -205,7 +219,7 @@ class SideChannelProcess(HandshakeServer):
         """Start one child and serve it until it ends; says how it ended."""
         ours, theirs = socket.socketpair()
         fds = [theirs.fileno()] + ([] if self._sock is None else [self._sock.fileno()])
-        cmd = [sys.executable, "-m", "kvbridge.handshake.child",
+        cmd = [sys.executable, "-m", "kvbridge.handshake.process.child",
                "--control-fd", str(theirs.fileno()), "--parent", str(os.getpid())]
         if self._sock is not None:
             cmd += ["--listen-fd", str(self._sock.fileno())]

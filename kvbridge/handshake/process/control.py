@@ -1,5 +1,5 @@
-"""What the side-channel process (``kvbridge.handshake.child``) and its parent
-(``kvbridge.handshake.process``) say to each other, over a private socketpair.
+"""What the side-channel process (``kvbridge.handshake.process.child``) and its parent
+(``kvbridge.handshake.process.parent``) say to each other, over a private socketpair.
 
 A message is a 4-byte big-endian length and a pickled tuple whose first item names it.
 Pickle is safe here: the socketpair is created by the parent and inherited by the child
@@ -30,6 +30,7 @@ from typing import Any
 
 from kvbridge.config import SideChannelConfig
 from kvbridge.handshake.base import MetadataStore
+from kvbridge.handshake.factory import Wire
 
 _LEN = struct.Struct(">I")
 
@@ -37,12 +38,12 @@ _LEN = struct.Struct(">I")
 @dataclass
 class ServerSpec:
     """What the child builds: the server ``kvbridge.handshake.factory.make_server`` makes
-    for ``config`` and ``store``; ``wire``: what the ``zmq`` method speaks, if not kvbridge's
-    messages (``make_server``'s ``wire``); ``observe``: report requests."""
+    for ``config`` and ``store``; ``wire``: what the ``zmq`` method speaks (``make_server``'s
+    ``wire``); ``observe``: report requests."""
 
     config: SideChannelConfig
     store: MetadataStore
-    wire: str | None = None
+    wire: Wire = "kvbridge"
     observe: bool = False
     health: str | None = None
 

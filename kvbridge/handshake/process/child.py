@@ -1,7 +1,7 @@
-"""The side-channel process: ``python -m kvbridge.handshake.child``, started by
-``kvbridge.handshake.process.SideChannelProcess`` (never by hand).
+"""The side-channel process: ``python -m kvbridge.handshake.process.child``, started by
+``kvbridge.handshake.process.parent.SideChannelProcess`` (never by hand).
 
-It builds the server its parent describes (``kvbridge.handshake.control.ServerSpec``) on
+It builds the server its parent describes (``kvbridge.handshake.process.control.ServerSpec``) on
 the listening socket it inherits, answers, and reports what it answered. It stops
 gracefully when told to, when its control socket ends, or on SIGTERM. It never outlives
 its parent (``PR_SET_PDEATHSIG``): a child that listens is killed with it (SIGKILL), so its
@@ -26,8 +26,8 @@ import threading
 from collections import Counter
 
 from kvbridge.guard import guard_stats
-from kvbridge.handshake.control import Channel, ServerSpec
 from kvbridge.handshake.factory import make_server
+from kvbridge.handshake.process.control import Channel, ServerSpec
 
 log = logging.getLogger("kvbridge.side-channel")
 
@@ -137,7 +137,7 @@ def _report(channel: Channel, observed: _Observed | None, stop: threading.Event)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvbridge.handshake.child",
+    parser = argparse.ArgumentParser(prog="python -m kvbridge.handshake.process.child",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--control-fd", type=int, required=True)
     parser.add_argument("--listen-fd", type=int)

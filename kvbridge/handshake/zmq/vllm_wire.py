@@ -13,11 +13,11 @@ The wire, as vLLM's NixlConnector speaks it (``nixl/base_scheduler.py``
 malformed request). A rank it does not hold is answered with an empty payload, which a
 stock client fails on at once rather than after its 5 s timeout. ``VllmZmqClient`` asks
 for every rank on one connection within one deadline, each reply capped in frames and bytes
-as it arrives (its own ZMTP, ``kvbridge.handshake.zmtp_client``).
+as it arrives (its own ZMTP, ``kvbridge.handshake.zmq.dealer``).
 
-``vllm_wire_server`` and ``vllm_wire_client`` are the plug-in's ``zmq=`` for
-``kvbridge.handshake.factory``: the settings (budget, keep-alive, ``handshake_timeout``,
-``max_message_bytes``) reach them there, as they reach ``kvbridge serve``'s zmq method.
+``kvbridge.handshake.factory`` builds both for ``wire="vllm"`` (the plug-in's ``zmq``
+method): the settings (budget, keep-alive, ``handshake_timeout``, ``max_message_bytes``)
+reach them there, as they reach ``kvbridge serve``'s zmq method.
 """
 
 from __future__ import annotations
@@ -38,16 +38,19 @@ from kvbridge.errors import (
     WireFormatError,
 )
 from kvbridge.guard import ConnectionBudget
-from kvbridge.handshake.base import MAX_REQUEST_BYTES, HandshakeServer, Observer
-from kvbridge.handshake.factory import ZmqServerMaker
-from kvbridge.handshake.payloads import FetchedPayloads, Rank
-from kvbridge.handshake.zmtp import ZmtpListener
-from kvbridge.handshake.zmtp_client import ZmtpDealer
+from kvbridge.handshake.base import (
+    MAX_REQUEST_BYTES,
+    FetchedPayloads,
+    HandshakeClient,
+    HandshakeServer,
+    Rank,
+    Reply,
+)
+from kvbridge.handshake.zmq.dealer import ZmtpDealer
+from kvbridge.handshake.zmq.zmtp import ZmtpListener
 from kvbridge.net import listen_socket
 
 GET_META_MSG = b"get_meta_msg"
-# ``vllm_wire_server`` by name, for the factory's ``wire`` (a side-channel process imports it).
-WIRE = f"{__name__}:vllm_wire_server"
 # A reply as a DEALER reads it: the empty delimiter, the payload, the clock.
 REPLY_FRAMES = 3
 # Room beyond ``max_message_bytes`` for the clock frame (msgpack float64: 9 bytes).
@@ -116,8 +119,10 @@ class VllmZmqServer(HandshakeServer):
         return [*delim, payload, _encoder.encode(time.perf_counter())]
 
 
-class VllmZmqClient:
-    """Fetches ranks from a vLLM-wire listener (stock vLLM or ``VllmZmqServer``).
+class VllmZmqClient(HandshakeClient):
+    """Fetches ranks from a vLLM-wire listener (stock vLLM or ``VllmZmqServer``): vLLM's
+    own payloads, so ``fetch_payloads`` only (there is no kvbridge envelope, no kind, no
+    engine id or epoch on this wire, and no token).
 
     Speaks ZMTP itself (``ZmtpDealer``) rather than through libzmq, whose ``MAXMSGSIZE``
     caps one frame but not how many: each reply is refused at its 4th frame or past
@@ -129,10 +134,20 @@ class VllmZmqClient:
     method = "zmq"
 
     def __init__(self, timeout: float, max_message_bytes: int):
-        self.timeout = timeout
-        self.max_message_bytes = max_message_bytes
+        super().__init__(timeout, None, None, max_message_bytes)
 
-    def fetch(self, host: str, port: int, ranks: list[Rank]) -> FetchedPayloads:
+    def _request(self, host: str, port: int, tp_rank: int | None, deadline: float) -> Reply:
+        raise WireFormatError(f"zmq://{host}:{port} speaks vLLM's wire: per-rank payloads "
+                              "only (fetch_payloads), no kvbridge envelope")
+
+    def fetch_payloads(self, kind: str, host: str, port: int, ranks: list[Rank], *,
+                       expected_engine_id: str | None = None) -> FetchedPayloads:
+        """``fetch_ranks`` (``kind`` and ``expected_engine_id``: not on this wire; vLLM
+        checks the payloads it gets)."""
+        return self.fetch_ranks(host, port, ranks)
+
+    def fetch_ranks(self, host: str, port: int, ranks: list[Rank]) -> FetchedPayloads:
+        """Every rank of ``ranks`` on one connection within one deadline."""
         deadline = time.monotonic() + self.timeout
         where = f"zmq://{host}:{port}"
         payloads: dict[Rank, bytes] = {}
@@ -189,26 +204,11 @@ class VllmZmqClient:
         return payload
 
 
-def _no_token(token: str | None) -> None:
+def no_token(token: str | None) -> None:
+    """Refuse a token for vLLM's wire, which has no place for one."""
     if token:  # load_settings refuses it first; never let a token be dropped silently
         raise ConfigError("kvbridge.vllm: the zmq method speaks vLLM's own wire, which has "
                           "no place for a side-channel token: use handshake_method 'http'")
-
-
-def vllm_wire_server(payloads: dict[Rank, bytes]) -> ZmqServerMaker:
-    """The zmq method's server for the factory: ``VllmZmqServer`` serving ``payloads``."""
-    def make(host: str, port: int, *, token: str | None, observer: Observer | None,
-             budget: ConnectionBudget, sock: socket.socket | None = None) -> HandshakeServer:
-        _no_token(token)
-        return VllmZmqServer(payloads, host, port, budget=budget, sock=sock)
-    return make
-
-
-def vllm_wire_client(timeout: float, expected: object, token: str | None,
-                     max_message_bytes: int) -> VllmZmqClient:
-    """The zmq method's client for the factory (``expected``: vLLM checks its payloads)."""
-    _no_token(token)
-    return VllmZmqClient(timeout, max_message_bytes)
 
 
 class _Clock:

@@ -1,9 +1,9 @@
 """The ``http`` side channel's server: a dedicated Starlette app on uvicorn (httptools on
 uvloop), on its own port in its own thread, never mounted on a user-facing API.
 
-Routes: ``kvbridge.handshake.http_routes``. The protocol refuses request heads over
+Routes: ``kvbridge.handshake.http.routes``. The protocol refuses request heads over
 ``MAX_REQUEST_BYTES`` (431) and bodies over it, declared or streamed (413,
-``kvbridge.handshake.http_protocol``); the app refuses declared ones too. ``authz`` decides
+``kvbridge.handshake.http.protocol``); the app refuses declared ones too. ``authz`` decides
 who may fetch.
 """
 
@@ -29,9 +29,9 @@ from kvbridge.errors import error_body
 from kvbridge.guard import ConnectionBudget, GuardedServer, guarded_protocol
 from kvbridge.handshake.authz import Authorizer
 from kvbridge.handshake.base import MAX_REQUEST_BYTES, HandshakeServer, MetadataStore, Observer
-from kvbridge.handshake.http_fast import responder
-from kvbridge.handshake.http_protocol import PEER_CERT, HeadLimitedHttpTools
-from kvbridge.handshake.http_routes import MSGPACK, PATH, route_name
+from kvbridge.handshake.http.fast_path import responder
+from kvbridge.handshake.http.protocol import PEER_CERT, HeadLimitedHttpTools
+from kvbridge.handshake.http.routes import MSGPACK, PATH, route_name
 from kvbridge.net import grow_fd_table, listen_socket
 
 __all__ = ["HttpHandshakeServer", "build_app"]
