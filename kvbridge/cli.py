@@ -293,7 +293,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _proxy(args: argparse.Namespace) -> int:
-    from kvbridge.server.proxy import run_proxy
+    from kvbridge.proxy import run_proxy
 
     budget = connection_budget(args)
     SETTINGS.resolve(ENV_ONLY)

@@ -82,7 +82,7 @@ class WatchCompacted(RegistryError):
 class ClosedUnanswered(KVBridgeError):
     """An engine closed a reused keep-alive connection without a byte of answer to the
     request on it: the request never reached it, and is sent once more on a new connection
-    (``kvbridge.server.upstream.send_retrying_once``). The proxy's transport raises an httpx
+    (``kvbridge.proxy.upstream.send_retrying_once``). The proxy's transport raises an httpx
     ``RemoteProtocolError`` from it (its ``__cause__``), which the failover rules read."""
 
 

@@ -28,10 +28,10 @@ from starlette.routing import Route
 from kvbridge.engine import AsyncEngine, build_engine
 from kvbridge.errors import InvalidKVTransferParams, RequestError
 from kvbridge.limits import check_json_body, decode_json_body, json_depth
+from kvbridge.openai.schemas import check_request_body
 from kvbridge.params import KVTransferParams
+from kvbridge.proxy import build_proxy_app
 from kvbridge.server.api import build_app
-from kvbridge.server.proxy import build_proxy_app
-from kvbridge.server.schemas import check_request_body
 from kvbridge.testing.api_server import BackgroundServer
 
 # Per example: a scan or a schema check of a body of some KiB takes milliseconds.

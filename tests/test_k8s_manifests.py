@@ -22,7 +22,7 @@ from kvbridge.cli import (
     side_channel_flags,
 )
 from kvbridge.config import SideChannelConfig, TLSConfig, parse_cert_reqs
-from kvbridge.server.proxy import build_proxy_app
+from kvbridge.proxy import build_proxy_app
 from kvbridge.settings import SETTINGS, flag_label
 from kvbridge.testing.certs import issue, new_ca
 from tests.conftest import ROOT

@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 
 def test_the_proxy_loads_no_torch():
     """``kvbridge proxy`` (its CLI path and its app) must not import the engine: the
-    request checks it shares with the engines live in kvbridge.server.schemas."""
+    request checks it shares with the engines live in kvbridge.openai.schemas."""
     code = (
         "import sys\n"
         "from kvbridge.cli import main\n"
@@ -25,10 +25,10 @@ def test_the_proxy_loads_no_torch():
         "    main(['proxy', '--help'])\n"
         "except SystemExit:\n"
         "    pass\n"
-        "from kvbridge.server.proxy import build_proxy_app, run_proxy\n"
+        "from kvbridge.proxy import build_proxy_app, run_proxy\n"
         "build_proxy_app(['http://127.0.0.1:1'], ['http://127.0.0.1:2'], prewarm=False,\n"
         "                admin_routes='open')\n"
-        "import kvbridge.server.schemas, kvbridge.server.responses\n"
+        "import kvbridge.openai.schemas, kvbridge.openai.responses\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.',\n"
         "             'kvbridge.engine', 'kvbridge.model')))\n"
         "print('loaded:', bad)\n"

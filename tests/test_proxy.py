@@ -1,4 +1,4 @@
-"""Unit tests of the P/D proxy (kvbridge.server.proxy).
+"""Unit tests of the P/D proxy (kvbridge.proxy).
 
 The prefill and decode engines here are small stand-in Starlette apps served by real uvicorn
 servers on 127.0.0.1 ephemeral ports; they record what they receive. The end-to-end tests with
@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from kvbridge.errors import ConfigError
-from kvbridge.server.proxy import build_proxy_app
+from kvbridge.proxy import build_proxy_app
 from kvbridge.testing.certs import issue, new_ca
 from tests import raw_engine
 from tests.helpers import RawServer, read_request, wait_until
@@ -529,7 +529,7 @@ def test_missing_kv_params_still_decodes(
 ) -> None:
     client, prefill, decode = pd
     prefill.kv_params = None
-    caplog.set_level(logging.WARNING, logger="kvbridge.server.proxy")
+    caplog.set_level(logging.WARNING, logger="kvbridge.proxy")
     # A stale kv_transfer_params from the client must not reach the decode either.
     request = {"model": "m", "prompt": "x", "kv_transfer_params": {"remote_host": "stale"}}
     r = client.post("/v1/completions", json=request)
@@ -737,10 +737,10 @@ def test_request_closed_unanswered_is_sent_once_more(serve: Serve, variant: str,
 def test_a_release_closed_unanswered_is_sent_once_more() -> None:
     """A release on a reused connection the prefill closes unanswered reaches it after
     all (the lease would otherwise hold the blocks)."""
-    from kvbridge.server.proxy.engine_client import EngineClient
-    from kvbridge.server.proxy.metrics import ProxyMetrics
-    from kvbridge.server.proxy.release import Releaser
-    from kvbridge.server.proxy.tasks import TaskSet
+    from kvbridge.proxy.engine_client import EngineClient
+    from kvbridge.proxy.metrics import ProxyMetrics
+    from kvbridge.proxy.release import Releaser
+    from kvbridge.proxy.tasks import TaskSet
 
     async def main(url: str) -> bytes:
         engines = EngineClient(True, httpx.Timeout(5.0))
@@ -775,7 +775,7 @@ def test_prewarm_refused_for_want_of_the_token_is_counted_and_logged(
     decode_url = serve(Starlette(routes=[Route("/v1/kv/prewarm", prewarm, methods=["POST"])]))
     app = build_proxy_app([prefill_url], [decode_url], admin_routes="open")
     with (
-        caplog.at_level(logging.ERROR, logger="kvbridge.server.proxy"),
+        caplog.at_level(logging.ERROR, logger="kvbridge.proxy"),
         httpx.Client(base_url=serve(app), timeout=10, trust_env=False) as client,
     ):
         wait_until(lambda: client.get("/v1/kv/prewarm").json()["done"], 30, "prewarm done",

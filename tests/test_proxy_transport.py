@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from kvbridge.errors import ClosedUnanswered
-from kvbridge.server.proxy.transport import AiohttpTransport
-from kvbridge.server.upstream import never_reached, send_retrying_once
+from kvbridge.proxy.transport import AiohttpTransport
+from kvbridge.proxy.upstream import never_reached, send_retrying_once
 from tests import raw_engine
 from tests.helpers import refused_port
 from tests.raw_engine import RawEngine

@@ -17,6 +17,8 @@ import pytest
 
 from kvbridge.errors import ConfigError, RegistryError, WatchCompacted
 from kvbridge.launch import KVBridgeProcess, free_port
+from kvbridge.proxy.membership import Membership
+from kvbridge.proxy.routing import Router
 from kvbridge.registry import (
     INSTANCES_PREFIX,
     EtcdRegistry,
@@ -25,8 +27,6 @@ from kvbridge.registry import (
     instance_key,
     parse_registry_url,
 )
-from kvbridge.server.membership import Membership
-from kvbridge.server.routing import Router
 from tests.conftest import ROOT
 from tests.helpers import wait_until
 

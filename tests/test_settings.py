@@ -161,8 +161,8 @@ def test_one_default_bind_host():
     --host=0.0.0.0 itself), in the CLI and in the library functions alike."""
     import inspect
 
+    from kvbridge.proxy import run_proxy
     from kvbridge.server.api import run_server
-    from kvbridge.server.proxy import run_proxy
     from kvbridge.settings import DEFAULT_HOST
 
     assert SETTINGS["host"].default == DEFAULT_HOST == "127.0.0.1"

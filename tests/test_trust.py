@@ -22,11 +22,11 @@ from kvbridge.errors import AuthError, ConfigError, HandshakeError, RegistryErro
 from kvbridge.handshake import make_client, make_server
 from kvbridge.handshake.etcd import HANDSHAKE_PREFIX
 from kvbridge.handshake.http.client import HttpHandshakeClient
+from kvbridge.proxy import build_proxy_app
+from kvbridge.proxy.membership import MAX_RECORD_BYTES, Membership
+from kvbridge.proxy.routing import Router
 from kvbridge.registry import EtcdRegistry, InstanceRecord, instance_key, parse_registry_url
 from kvbridge.registry.record import INSTANCES_PREFIX
-from kvbridge.server.membership import MAX_RECORD_BYTES, Membership
-from kvbridge.server.proxy import build_proxy_app
-from kvbridge.server.routing import Router
 from kvbridge.testing.api_server import BackgroundServer
 from kvbridge.testing.certs import issue, issue_with_names, new_ca
 from tests.helpers import compat, full_store, wait_until

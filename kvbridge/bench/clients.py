@@ -28,7 +28,7 @@ from kvbridge.launch import KVBridgeProcess, free_port
 HOST = "127.0.0.1"
 QUICK = {"rounds": 20, "warmup": 3}
 # httpx on its own transport (httpcore, h11), aiohttp, and the proxy's client: httpx's API
-# on aiohttp's connections (kvbridge.server.proxy.transport).
+# on aiohttp's connections (kvbridge.proxy.transport).
 CLIENTS = ("httpx", "aiohttp", "httpx+aiohttp")
 
 
@@ -44,7 +44,7 @@ async def _measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
     body = {"model": "kvbridge-tiny", "prompt": "The proxy's client, measured.",
             "max_tokens": args.max_tokens, "temperature": 0, "stream": True}
-    from kvbridge.server.proxy.transport import AiohttpTransport
+    from kvbridge.proxy.transport import AiohttpTransport
 
     hxs = {"httpx": httpx.AsyncClient(timeout=60, trust_env=False),
            "httpx+aiohttp": httpx.AsyncClient(timeout=60, trust_env=False,

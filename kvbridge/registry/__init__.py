@@ -2,7 +2,7 @@
 
 ``parse_registry_url`` reads ``etcd://HOST:PORT`` (``etcds://`` for TLS);
 ``Registrar`` keeps one instance's record alive; ``EtcdRegistry.watch_prefix`` feeds a live
-view (``kvbridge.server.membership``).
+view (``kvbridge.proxy.membership``).
 
 Modules: ``record`` (an instance's record and its key, strict), ``etcd`` (the etcd v3
 client through the gRPC gateway: lease, put, range, a watch that reports compaction),

@@ -10,7 +10,7 @@ as a top-level field when it returned some. Errors use OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 4xx for bad input, 502
 when the engine failed the request (e.g. remote KV could not be loaded under the
 ``fail`` policy), 503 when the engine is not running (``code`` a string or null: see
-docs/protocol.md). The request schemas and their checks are ``kvbridge.server.schemas``,
+docs/protocol.md). The request schemas and their checks are ``kvbridge.openai.schemas``,
 the response bodies and SSE chunks ``kvbridge.server.sse``.
 
     engine = AsyncEngine(build_engine(tp_size=2))
@@ -48,9 +48,8 @@ from kvbridge.errors import (
 )
 from kvbridge.guard import ConnectionBudget, GuardedServer, guarded_config
 from kvbridge.limits import read_json_body
-from kvbridge.requestid import engine_request_ids
-from kvbridge.server.responses import error_response
-from kvbridge.server.schemas import (
+from kvbridge.openai.responses import error_response
+from kvbridge.openai.schemas import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     CommonRequest,
@@ -59,6 +58,7 @@ from kvbridge.server.schemas import (
     parse_request,
     sampling_settings,
 )
+from kvbridge.requestid import engine_request_ids
 from kvbridge.server.sse import Formatter
 
 __all__ = ["build_app", "run_server"]

@@ -45,8 +45,8 @@ from kvbridge.limits import decode_json_body, read_json_body
 from kvbridge.metadata import compat_of, decode_rank
 from kvbridge.metrics import CONTENT_TYPE, Metrics
 from kvbridge.model.loader import load_config, resolve_dtype
+from kvbridge.openai.responses import error_response
 from kvbridge.server.api import build_app
-from kvbridge.server.responses import error_response
 from kvbridge.settings import ROLES
 from kvbridge.trust import parse_trusted
 

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.errors import EngineDeadError, error_body, failure_status, status_of
+from kvbridge.openai.responses import sse
 
 if TYPE_CHECKING:
     from kvbridge.engine.sequence import RequestOutput
 
-__all__ = ["Formatter", "sse"]
-
-
-def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+__all__ = ["Formatter"]
 
 
 class Formatter:

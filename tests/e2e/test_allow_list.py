@@ -21,7 +21,7 @@ from kvbridge.config import TLSConfig
 from kvbridge.errors import HandshakeError
 from kvbridge.handshake.http.client import HttpHandshakeClient
 from kvbridge.launch import free_port
-from kvbridge.server.proxy import build_proxy_app
+from kvbridge.proxy import build_proxy_app
 from kvbridge.testing.api_server import BackgroundServer
 from kvbridge.testing.certs import issue, new_ca
 from tests.e2e.conftest import PROMPTS, Serve
@@ -125,7 +125,7 @@ def test_releases_and_prewarms_through_the_proxy_pass_the_allow_list(pki, pair):
 
 
 def test_a_proxy_off_the_allow_list_is_refused_with_a_403_that_says_why(pki, pair, caplog):
-    with caplog.at_level(logging.ERROR, logger="kvbridge.server.proxy"), \
+    with caplog.at_level(logging.ERROR, logger="kvbridge.proxy"), \
             _proxy(pki, pair, "intruder") as proxy:
         [outcome] = [pp["outcome"] for pp in _prewarmed(proxy)]
     assert outcome.startswith("403") and "intruder.kv.internal" in outcome, outcome

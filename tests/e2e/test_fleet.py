@@ -18,8 +18,8 @@ import pytest
 from kvbridge.bench.load import ClosedLoop
 from kvbridge.errors import RegistryError
 from kvbridge.launch import KVBridgeProcess, free_port
+from kvbridge.proxy.routing import DEFAULT_COOLDOWN
 from kvbridge.registry import INSTANCES_PREFIX, EtcdRegistry, InstanceRecord, parse_registry_url
-from kvbridge.server.routing import DEFAULT_COOLDOWN
 from kvbridge.testing.etcd import EtcdProcess
 from tests.conftest import ROOT
 from tests.e2e.conftest import PROMPTS, START_TIMEOUT, Serve, complete

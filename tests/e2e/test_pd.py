@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvbridge.launch import read_metric
-from kvbridge.server.proxy import build_proxy_app
+from kvbridge.proxy import build_proxy_app
 from kvbridge.testing.api_server import BackgroundServer
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Serve
 from tests.e2e.conftest import complete as _complete

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvbridge.proxy import build_proxy_app
 from kvbridge.server.instance import model_identity
-from kvbridge.server.proxy import build_proxy_app
 from kvbridge.testing.api_server import BackgroundServer
 from tests.e2e.conftest import Serve, start_all
 from tests.helpers import wait_until

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvbridge.server.proxy import build_proxy_app
+from kvbridge.proxy import build_proxy_app
 from kvbridge.testing.api_server import BackgroundServer
 from kvbridge.testing.procfs import instance_rss_mib
 from tests.e2e.conftest import PROMPTS

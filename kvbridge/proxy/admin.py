@@ -15,13 +15,13 @@ from starlette.routing import Route
 
 from kvbridge import background
 from kvbridge.errors import ConfigError
-from kvbridge.server.proxy.engine_client import HEALTH_TIMEOUT, EngineClient, proxy_error
-from kvbridge.server.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
-from kvbridge.server.proxy.prewarm import Prewarmer
-from kvbridge.server.routing import Router
+from kvbridge.proxy.engine_client import HEALTH_TIMEOUT, EngineClient, proxy_error
+from kvbridge.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
+from kvbridge.proxy.prewarm import Prewarmer
+from kvbridge.proxy.routing import Router
 
 if TYPE_CHECKING:
-    from kvbridge.server.membership import Membership
+    from kvbridge.proxy.membership import Membership
 
 __all__ = ["ADMIN_ROUTES", "AdminRoutes", "admin_modes"]
 

@@ -28,7 +28,7 @@ _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 def never_reached(exc: httpx.HTTPError) -> bool:
     """The engine cannot have acted on the request: it was never sent, or the engine closed
     the reused keep-alive connection without a byte of answer (an error raised from
-    ``ClosedUnanswered``: kvbridge.server.proxy.transport says how it tells that from an
+    ``ClosedUnanswered``: kvbridge.proxy.transport says how it tells that from an
     engine that may have started on the request). An engine that read a request answers
     it, even with a 500; closing unanswered is how an idle connection it is closing looks
     when our request crosses the close."""

@@ -28,12 +28,12 @@ from typing import Any
 import httpx
 
 from kvbridge.errors import error_body
-from kvbridge.server.proxy.engine_client import Deadline, dumps, upstream_reason
-from kvbridge.server.proxy.release import Hold, HoldingResponse
-from kvbridge.server.proxy.rewrite import CHAT
-from kvbridge.server.routing import Backend
-from kvbridge.server.sse import sse
-from kvbridge.server.upstream import send_retrying_once
+from kvbridge.openai.responses import sse
+from kvbridge.proxy.engine_client import Deadline, dumps, upstream_reason
+from kvbridge.proxy.release import Hold, HoldingResponse
+from kvbridge.proxy.rewrite import CHAT
+from kvbridge.proxy.routing import Backend
+from kvbridge.proxy.upstream import send_retrying_once
 
 __all__ = ["FirstToken", "first_token"]
 

@@ -16,9 +16,9 @@ from starlette.responses import JSONResponse
 
 from kvbridge.errors import AnswerTooLarge, ConfigError
 from kvbridge.limits import MAX_ANSWER_BYTES
-from kvbridge.server.proxy.transport import AiohttpTransport, read_at_most
-from kvbridge.server.responses import error_response
-from kvbridge.server.upstream import CLIENT_KEEP_ALIVE
+from kvbridge.openai.responses import error_response
+from kvbridge.proxy.transport import AiohttpTransport, read_at_most
+from kvbridge.proxy.upstream import CLIENT_KEEP_ALIVE
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
@@ -124,7 +124,7 @@ class EngineClient:
     def open(self) -> None:
         self._transport = AiohttpTransport(self.verify, CLIENT_KEEP_ALIVE)
         self._client = httpx.AsyncClient(
-            # aiohttp's connections (C parser) under httpx's API: kvbridge.server.proxy.
+            # aiohttp's connections (C parser) under httpx's API: kvbridge.proxy.
             # transport. No pool limit (streams can be long-lived: no request queues for a
             # slot); idle connections expire before the engines close them.
             transport=self._transport,

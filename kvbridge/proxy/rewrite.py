@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvbridge.params import KVTransferParams
-from kvbridge.server.proxy.engine_client import proxy_error
+from kvbridge.proxy.engine_client import proxy_error
 
 __all__ = ["CHAT", "COMPLETIONS", "PassedOnHeaders", "engine_headers", "prefill_body"]
 

@@ -8,7 +8,7 @@ httpx transport, and aiohttp's failures are raised as the httpx exceptions they 
 (``_TRANSLATION``, a table read top to bottom).
 
 Sent once more, or never: a request the engine never got is sent again on a new connection
-(``kvbridge.server.upstream.send_retrying_once``); one it may have started processing is
+(``kvbridge.proxy.upstream.send_retrying_once``); one it may have started processing is
 never repeated. The transport tells them apart by two facts it records per request:
 
 * whether the connection was **reused** from the pool (aiohttp's ``on_connection_reuseconn``
@@ -43,7 +43,7 @@ import httpx
 
 from kvbridge.errors import AnswerTooLarge, ClosedUnanswered
 from kvbridge.limits import MAX_ANSWER_BYTES
-from kvbridge.server.upstream import NEW_CONNECTION
+from kvbridge.proxy.upstream import NEW_CONNECTION
 
 __all__ = ["AiohttpTransport", "read_at_most", "too_large"]
 

@@ -27,9 +27,9 @@ import msgspec
 
 from kvbridge.background import Supervised, ignored
 from kvbridge.errors import RegistryError, WatchCompacted
+from kvbridge.proxy.routing import Backend, Router
 from kvbridge.registry.etcd import Entry, EtcdRegistry
 from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord, instance_key
-from kvbridge.server.routing import Backend, Router
 
 log = logging.getLogger(__name__)
 

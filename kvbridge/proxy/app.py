@@ -18,8 +18,8 @@ from starlette.routing import Route
 from kvbridge import background
 from kvbridge.guard import ConnectionBudget, GuardedServer, guarded_config
 from kvbridge.limits import MAX_ANSWER_BYTES
-from kvbridge.server.proxy.admin import AdminRoutes
-from kvbridge.server.proxy.engine_client import (
+from kvbridge.proxy.admin import AdminRoutes
+from kvbridge.proxy.engine_client import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_TIMEOUT,
     HEALTH_TIMEOUT,
@@ -29,17 +29,17 @@ from kvbridge.server.proxy.engine_client import (
     ssl_context,
     transport_error,
 )
-from kvbridge.server.proxy.flow import Flow
-from kvbridge.server.proxy.metrics import ProxyMetrics
-from kvbridge.server.proxy.prewarm import Prewarmer
-from kvbridge.server.proxy.release import Releaser
-from kvbridge.server.proxy.rewrite import CHAT, COMPLETIONS, PassedOnHeaders
-from kvbridge.server.proxy.tasks import TaskSet
-from kvbridge.server.routing import Router
+from kvbridge.proxy.flow import Flow
+from kvbridge.proxy.metrics import ProxyMetrics
+from kvbridge.proxy.prewarm import Prewarmer
+from kvbridge.proxy.release import Releaser
+from kvbridge.proxy.rewrite import CHAT, COMPLETIONS, PassedOnHeaders
+from kvbridge.proxy.routing import Router
+from kvbridge.proxy.tasks import TaskSet
 
 if TYPE_CHECKING:  # the registry needs the ``fleet`` extra: imported only when used
+    from kvbridge.proxy.membership import Membership
     from kvbridge.registry.etcd import EtcdEndpoint
-    from kvbridge.server.membership import Membership
 
 __all__ = ["Proxy", "build_proxy_app", "run_proxy"]
 
@@ -139,7 +139,7 @@ def build_proxy_app(
     """The P/D proxy as a Starlette app.
 
     Engines come from the static lists and, with ``registry``, from watching etcd;
-    ``routing`` picks among them (see ``kvbridge.server.routing``).
+    ``routing`` picks among them (see ``kvbridge.proxy.routing``).
 
     ``ca_certs`` verifies https engines (default: certifi's bundle); ``client_cert`` is a
     (certfile, keyfile) pair presented for mTLS. ``timeout`` bounds, in all, the prefill
@@ -157,7 +157,7 @@ def build_proxy_app(
     routes).
 
     ``first_token_from``: ``"prefill"`` streams a streamed answer's first token as soon as
-    the prefill sampled it, and the decode continues after it (``kvbridge.server.proxy.
+    the prefill sampled it, and the decode continues after it (``kvbridge.proxy.
     first_token``); ``"decode"``: every token from the decode (vLLM's two-hop protocol).
 
     ``max_answer_bytes``: the most of an engine's answer read whole (a prefill's, a decode's
@@ -169,8 +169,8 @@ def build_proxy_app(
     verify = ssl_context(ca_certs, client_cert)
     membership = None
     if registry is not None:
+        from kvbridge.proxy.membership import Membership
         from kvbridge.registry.etcd import EtcdRegistry
-        from kvbridge.server.membership import Membership
 
         membership = Membership(EtcdRegistry(registry), router, verify=verify)
     proxy = Proxy(router, EngineClient(verify, httpx.Timeout(timeout, connect=connect_timeout),

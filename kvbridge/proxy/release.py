@@ -18,10 +18,10 @@ import httpx
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvbridge.server.proxy.engine_client import HEALTH_TIMEOUT, EngineClient, dumps
-from kvbridge.server.proxy.metrics import ProxyMetrics
-from kvbridge.server.proxy.tasks import TaskSet
-from kvbridge.server.upstream import send_retrying_once
+from kvbridge.proxy.engine_client import HEALTH_TIMEOUT, EngineClient, dumps
+from kvbridge.proxy.metrics import ProxyMetrics
+from kvbridge.proxy.tasks import TaskSet
+from kvbridge.proxy.upstream import send_retrying_once
 
 __all__ = ["Hold", "HoldingResponse", "Releaser"]
 

@@ -14,8 +14,8 @@ from starlette.responses import Response
 
 from kvbridge.errors import RequestError
 from kvbridge.limits import decode_json_body, read_json_body
-from kvbridge.requestid import MAX_REQUEST_ID, accept_request_id
-from kvbridge.server.proxy.engine_client import (
+from kvbridge.openai.schemas import check_request_body
+from kvbridge.proxy.engine_client import (
     DEFAULT_TIMEOUT,
     Deadline,
     EngineClient,
@@ -24,14 +24,14 @@ from kvbridge.server.proxy.engine_client import (
     transport_error,
     upstream_reason,
 )
-from kvbridge.server.proxy.first_token import FirstTokenStream, first_token
-from kvbridge.server.proxy.metrics import ProxyMetrics
-from kvbridge.server.proxy.relay import UpstreamResponse
-from kvbridge.server.proxy.release import Hold, Releaser
-from kvbridge.server.proxy.rewrite import CHAT, engine_headers, prefill_body
-from kvbridge.server.routing import Backend, Router
-from kvbridge.server.schemas import check_request_body
-from kvbridge.server.upstream import never_reached, send_retrying_once
+from kvbridge.proxy.first_token import FirstTokenStream, first_token
+from kvbridge.proxy.metrics import ProxyMetrics
+from kvbridge.proxy.relay import UpstreamResponse
+from kvbridge.proxy.release import Hold, Releaser
+from kvbridge.proxy.rewrite import CHAT, engine_headers, prefill_body
+from kvbridge.proxy.routing import Backend, Router
+from kvbridge.proxy.upstream import never_reached, send_retrying_once
+from kvbridge.requestid import MAX_REQUEST_ID, accept_request_id
 
 __all__ = ["Flow", "Retry"]
 
