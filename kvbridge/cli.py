@@ -14,7 +14,6 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from kvbridge import __version__
-from kvbridge.bench.cli import bench_parser, run_bench
 from kvbridge.config import (
     MultiNodeConfig,
     SideChannelConfig,
@@ -27,6 +26,7 @@ from kvbridge.extras import missing_extra_message
 from kvbridge.net import bind_socket, check_port_free
 from kvbridge.settings import SETTINGS, SIDE_CHANNEL_PORT_SETTING, ConnectionBudget, flag_label
 from kvbridge.settings.flags import add_flags, fill
+from kvbridge.tools.bench.cli import bench_parser, run_bench
 
 # The tree's settings each sub-command takes as flags (kvbridge/settings/tree.py).
 SIDE_CHANNEL = [s.name for s in SETTINGS.group("side_channel") if s.flag
@@ -315,10 +315,10 @@ def _proxy(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
-        from kvbridge.vllm.demo import run_vllm_demo
+        from kvbridge.tools.vllm.demo import run_vllm_demo
 
         return run_vllm_demo(questions=args.prompts, max_tokens=args.max_tokens)
-    from kvbridge.demo import run_demo
+    from kvbridge.tools.demo import run_demo
 
     return run_demo(prompts=args.prompts, max_tokens=args.max_tokens, decode_tp=args.decode_tp,
                     handshake=args.handshake, model=args.model)

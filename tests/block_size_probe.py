@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from kvbridge.model.models import prepare
-from kvbridge.vllm.launch import VllmServer, completion, decode, prefill
+from kvbridge.tools.vllm.launch import VllmServer, completion, decode, prefill
 
 PROMPT = ("Question: What is the capital of France, and which river flows through it? Name "
           "the river and one famous bridge that crosses it. Answer in one sentence.\nAnswer:")

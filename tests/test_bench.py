@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.bench import BENCHMARKS
+from kvbridge.tools.bench import BENCHMARKS
 from tests.conftest import ROOT
 
 

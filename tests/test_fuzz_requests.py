@@ -32,7 +32,7 @@ from kvbridge.openai.schemas import check_request_body
 from kvbridge.params import KVTransferParams
 from kvbridge.proxy import build_proxy_app
 from kvbridge.server.api import build_app
-from kvbridge.testing.api_server import BackgroundServer
+from kvbridge.tools.testing.api_server import BackgroundServer
 
 # Per example: a scan or a schema check of a body of some KiB takes milliseconds.
 UNIT = settings(max_examples=60, deadline=timedelta(seconds=2), derandomize=True,

@@ -21,7 +21,7 @@ from kvbridge.config import TOKEN_SCOPES, NamedToken, SideChannelConfig, parse_t
 from kvbridge.errors import ConfigError
 from kvbridge.handshake import make_server
 from kvbridge.handshake.authz import Authorizer, PeerAllowList, TokenSet, cert_identities
-from kvbridge.testing.certs import issue, issue_with_names, new_ca
+from kvbridge.tools.testing.certs import issue, issue_with_names, new_ca
 from tests.helpers import full_store
 
 FAST = settings(max_examples=150, deadline=None, derandomize=True,

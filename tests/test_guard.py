@@ -25,7 +25,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.guard import ConnectionBudget, guarded_config
 from kvbridge.handshake.http.client import HttpHandshakeClient
 from kvbridge.handshake.http.server import HttpHandshakeServer
-from kvbridge.testing.api_server import BackgroundServer
+from kvbridge.tools.testing.api_server import BackgroundServer
 from tests.conftest import ROOT
 from tests.helpers import compat, full_store, wait_until
 

@@ -45,7 +45,7 @@ from kvbridge.handshake.zmq.kvbridge_wire import (
     ZmqRequest,
 )
 from kvbridge.metadata import SCHEMA_VERSION, encode_envelope
-from kvbridge.testing.certs import issue, new_ca
+from kvbridge.tools.testing.certs import issue, new_ca
 from tests.helpers import (
     CountingStore,
     RawServer,

@@ -15,8 +15,8 @@ from kvbridge.config import SideChannelConfig
 from kvbridge.errors import CompatibilityError, ConfigError, HandshakeTimeout, RegistryError
 from kvbridge.handshake import make_client, make_server
 from kvbridge.handshake.etcd import HANDSHAKE_PREFIX, EtcdHandshakeClient, EtcdHandshakeServer
-from kvbridge.launch import KVBridgeProcess, free_port, read_metric
 from kvbridge.registry import EtcdRegistry, parse_registry_url
+from kvbridge.tools.launch import KVBridgeProcess, free_port, read_metric
 from tests.conftest import ROOT
 from tests.helpers import compat, full_store, rank_meta, wait_until
 

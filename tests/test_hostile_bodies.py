@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from kvbridge.errors import RequestError
-from kvbridge.launch import KVBridgeProcess, free_port
 from kvbridge.limits import decode_json_body
+from kvbridge.tools.launch import KVBridgeProcess, free_port
 from tests.conftest import ROOT
 
 # A string that never ends, of quote-backslash pairs: the old pre-scan restarted its string

@@ -23,7 +23,7 @@ import pytest
 
 from kvbridge.extras import EXTRA_MODULES
 from kvbridge.net import free_port
-from kvbridge.testing.wait import wait_until
+from kvbridge.tools.testing.wait import wait_until
 from tests.conftest import ROOT
 from tests.helpers import refused_port
 

@@ -24,7 +24,7 @@ from kvbridge.cli import (
 from kvbridge.config import SideChannelConfig, TLSConfig, parse_cert_reqs
 from kvbridge.proxy import build_proxy_app
 from kvbridge.settings import SETTINGS, flag_label
-from kvbridge.testing.certs import issue, new_ca
+from kvbridge.tools.testing.certs import issue, new_ca
 from tests.conftest import ROOT
 
 K8S = ROOT / "deploy" / "k8s"

@@ -225,7 +225,7 @@ def test_no_private_name_crosses_a_room():
     assert not problems, "\n".join(problems)
 
 
-_MAP = LayerMap({"errors.py": 1, "config.py": 4, "handshake/": 5, "testing/": 10,
+_MAP = LayerMap({"errors.py": 1, "config.py": 4, "handshake/": 5, "tools/": 11,
                  "server/": 9, "engine/": 8}, frozenset({("kvbridge.config", "kvbridge.server.api")}),
                 frozenset())
 
@@ -237,10 +237,10 @@ _MAP = LayerMap({"errors.py": 1, "config.py": 4, "handshake/": 5, "testing/": 10
      "kvbridge.config:2 (config.py, layer 4) has a function-local import of kvbridge.engine"),
     ("kvbridge.config", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
      "    import kvbridge.server.api\n", "has a TYPE_CHECKING import of kvbridge.server.api"),
-    ("kvbridge.server.api", "from kvbridge import testing\n",
-     "kvbridge.server.api:1 (server/, layer 9) has a import of kvbridge.testing"),
-    ("kvbridge.server.instance", "from ..testing.certs import issue\n",
-     "has a import of kvbridge.testing.certs (testing/, layer 10)"),
+    ("kvbridge.server.api", "from kvbridge import tools\n",
+     "kvbridge.server.api:1 (server/, layer 9) has a import of kvbridge.tools"),
+    ("kvbridge.server.instance", "from ..tools.testing.certs import issue\n",
+     "has a import of kvbridge.tools.testing.certs (tools/, layer 11)"),
     ("kvbridge.engine.engine", "from kvbridge.server.api import run_server\n",
      "kvbridge.engine.engine:1 (engine/, layer 8) has a import of kvbridge.server.api"),
 ])

@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from kvbridge.errors import ConfigError
 from kvbridge.proxy import build_proxy_app
-from kvbridge.testing.certs import issue, new_ca
+from kvbridge.tools.testing.certs import issue, new_ca
 from tests import raw_engine
 from tests.helpers import RawServer, read_request, wait_until
 from tests.raw_engine import RawEngine

@@ -16,7 +16,6 @@ import msgspec
 import pytest
 
 from kvbridge.errors import ConfigError, RegistryError, WatchCompacted
-from kvbridge.launch import KVBridgeProcess, free_port
 from kvbridge.proxy.membership import Membership
 from kvbridge.proxy.routing import Router
 from kvbridge.registry import (
@@ -27,6 +26,7 @@ from kvbridge.registry import (
     instance_key,
     parse_registry_url,
 )
+from kvbridge.tools.launch import KVBridgeProcess, free_port
 from tests.conftest import ROOT
 from tests.helpers import wait_until
 
@@ -318,7 +318,7 @@ def test_serve_bad_registry_is_a_config_error(tmp_path):
 def test_registry_over_tls_with_client_certificates(certs, tmp_path):
     """etcds:// with the CA and a client certificate works; without the certificate etcd
     refuses, and a plaintext client gets nowhere."""
-    from kvbridge.testing.etcd import EtcdProcess, EtcdTLS
+    from kvbridge.tools.testing.etcd import EtcdProcess, EtcdTLS
 
     tls = EtcdTLS(
         str(certs / "ca.pem"),

@@ -32,9 +32,9 @@ from kvbridge.errors import ConfigError
 from kvbridge.guard import ConnectionBudget, guarded_config, guarded_protocol
 from kvbridge.handshake.base import MAX_REQUEST_BYTES
 from kvbridge.handshake.http.protocol import HeadLimitedHttpTools
-from kvbridge.launch import KVBridgeProcess, free_port
-from kvbridge.testing.api_server import BackgroundServer
-from kvbridge.testing.procfs import children, instance_rss_mib
+from kvbridge.tools.launch import KVBridgeProcess, free_port
+from kvbridge.tools.testing.api_server import BackgroundServer
+from kvbridge.tools.testing.procfs import children, instance_rss_mib
 from tests.conftest import ROOT
 
 HOST = "127.0.0.1"

@@ -11,10 +11,10 @@ from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvbridge.launch import free_port
 from kvbridge.proxy.membership import Membership
 from kvbridge.proxy.routing import Backend, Router
 from kvbridge.registry import EtcdRegistry, InstanceRecord, instance_key, parse_registry_url
+from kvbridge.tools.launch import free_port
 from tests.helpers import wait_until as _wait
 
 

@@ -37,8 +37,8 @@ from kvbridge.handshake.payloads import PayloadStore
 from kvbridge.handshake.process.parent import LIVENESS_TIMEOUT, SideChannelProcess
 from kvbridge.handshake.zmq.vllm_wire import VllmZmqClient
 from kvbridge.net import listen_socket
-from kvbridge.testing.procfs import gone, listening, status_field
-from kvbridge.testing.wait import wait_until
+from kvbridge.tools.testing.procfs import gone, listening, status_field
+from kvbridge.tools.testing.wait import wait_until
 from tests.helpers import compat, rank_meta
 
 ROOT = Path(__file__).resolve().parents[1]

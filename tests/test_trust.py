@@ -27,8 +27,8 @@ from kvbridge.proxy.membership import MAX_RECORD_BYTES, Membership
 from kvbridge.proxy.routing import Router
 from kvbridge.registry import EtcdRegistry, InstanceRecord, instance_key, parse_registry_url
 from kvbridge.registry.record import INSTANCES_PREFIX
-from kvbridge.testing.api_server import BackgroundServer
-from kvbridge.testing.certs import issue, issue_with_names, new_ca
+from kvbridge.tools.testing.api_server import BackgroundServer
+from kvbridge.tools.testing.certs import issue, issue_with_names, new_ca
 from tests.helpers import compat, full_store, wait_until
 
 HOST = "127.0.0.1"

@@ -20,7 +20,7 @@ from pathlib import Path
 from kvbridge.config import SideChannelConfig
 from kvbridge.handshake import MetadataStore, make_client, side_channel
 from kvbridge.handshake.process.parent import SideChannelProcess
-from kvbridge.testing.procfs import instance_rss_mib
+from kvbridge.tools.testing.procfs import instance_rss_mib
 from tests.helpers import compat, rank_meta
 
 # Sent per flooding connection at most: a server that never stops reading takes it all.

@@ -7,7 +7,7 @@ view (``kvbridge.proxy.membership``).
 Modules: ``record`` (an instance's record and its key, strict), ``etcd`` (the etcd v3
 client through the gRPC gateway: lease, put, range, a watch that reports compaction),
 ``registrar`` (``Registrar``: one instance's record kept under a lease). A throw-away etcd
-for tests is ``kvbridge.testing.etcd``.
+for tests is ``kvbridge.tools.testing.etcd``.
 """
 
 from __future__ import annotations

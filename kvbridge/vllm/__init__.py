@@ -8,8 +8,8 @@ vLLM loads it by name::
                            "kv_role": "kv_both", "kv_buffer_device": "cpu"}'
 
 Importing this package does not import vLLM: each connector class is loaded (and the vLLM
-version checked) on first access, so ``kvbridge.vllm.launch`` and ``kvbridge.handshake.zmq.vllm_wire``
-work without it. See docs/vllm.md.
+version checked) on first access, so what does not need vLLM (its settings, the tools'
+launchers) works without it. See docs/vllm.md.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class SideChannelHandshake:
     def _kvbridge_admit(self, handshake_bytes: bytes, remote_rank: int, remote_tp_size: int,
                         expected_engine_id: str, notif_agents_only: bool) -> str:
         """vLLM's checks of ``_nixl_handshake`` (0.32 to 0.34 alike), unchanged in order
-        and wording; kvbridge/vllm/drift.py fails the suite when vLLM's change."""
+        and wording; kvbridge/tools/vllm/drift.py fails the suite when vLLM's change."""
         try:
             handshake_payload = payload_decoder.decode(handshake_bytes)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:

@@ -25,7 +25,7 @@ from kvbridge.vllm.registration import (
 )
 
 # The vLLM versions the plug-in is tested with: [low, high). Moving the window: docs/vllm.md
-# ("The next vLLM"); kvbridge/vllm/fingerprints.py holds one entry per minor version.
+# ("The next vLLM"); kvbridge/tools/vllm/fingerprints.py holds one entry per minor version.
 TESTED_VLLM = ((0, 32), (0, 35))
 TESTED_RANGE = ">=0.32.0,<0.35"
 

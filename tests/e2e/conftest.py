@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvbridge.launch import KVBridgeProcess, free_port, read_metric
+from kvbridge.tools.launch import KVBridgeProcess, free_port, read_metric
 from tests.conftest import ROOT
 
 START_TIMEOUT = 180.0

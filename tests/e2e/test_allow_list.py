@@ -20,10 +20,10 @@ import pytest
 from kvbridge.config import TLSConfig
 from kvbridge.errors import HandshakeError
 from kvbridge.handshake.http.client import HttpHandshakeClient
-from kvbridge.launch import free_port
 from kvbridge.proxy import build_proxy_app
-from kvbridge.testing.api_server import BackgroundServer
-from kvbridge.testing.certs import issue, new_ca
+from kvbridge.tools.launch import free_port
+from kvbridge.tools.testing.api_server import BackgroundServer
+from kvbridge.tools.testing.certs import issue, new_ca
 from tests.e2e.conftest import PROMPTS, Serve
 from tests.helpers import RogueSideChannel, compat, wait_until
 

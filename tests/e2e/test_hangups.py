@@ -28,8 +28,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvbridge.launch import KVBridgeProcess, free_port
-from kvbridge.testing.etcd import EtcdProcess
+from kvbridge.tools.launch import KVBridgeProcess, free_port
+from kvbridge.tools.testing.etcd import EtcdProcess
 from tests.conftest import ROOT
 from tests.e2e.conftest import START_TIMEOUT, Serve
 from tests.helpers import wait_until

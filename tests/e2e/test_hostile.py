@@ -25,8 +25,8 @@ from kvbridge.config import TLSConfig
 from kvbridge.guard import ConnectionBudget
 from kvbridge.handshake.http.client import HttpHandshakeClient
 from kvbridge.handshake.zmq.kvbridge_wire import ZmqHandshakeClient
-from kvbridge.launch import KVBridgeProcess, free_port
-from kvbridge.testing.procfs import instance_rss_mib
+from kvbridge.tools.launch import KVBridgeProcess, free_port
+from kvbridge.tools.testing.procfs import instance_rss_mib
 from tests import zmtp_raw
 from tests.conftest import ROOT
 from tests.e2e.conftest import PROMPTS, START_TIMEOUT, Serve

@@ -16,7 +16,7 @@ import pytest
 
 from kvbridge.connector.scheduler import lease_margin
 from kvbridge.proxy import build_proxy_app
-from kvbridge.testing.api_server import BackgroundServer
+from kvbridge.tools.testing.api_server import BackgroundServer
 from tests.e2e.conftest import PROMPTS, Serve, complete, free_port, start_all
 from tests.helpers import wait_until
 

@@ -15,9 +15,9 @@ import time
 import httpx
 import pytest
 
-from kvbridge.launch import read_metric
 from kvbridge.proxy import build_proxy_app
-from kvbridge.testing.api_server import BackgroundServer
+from kvbridge.tools.launch import read_metric
+from kvbridge.tools.testing.api_server import BackgroundServer
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Serve
 from tests.e2e.conftest import complete as _complete
 from tests.helpers import wait_until

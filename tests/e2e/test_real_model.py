@@ -19,7 +19,7 @@ import pytest
 
 from kvbridge.proxy import build_proxy_app
 from kvbridge.server.instance import model_identity
-from kvbridge.testing.api_server import BackgroundServer
+from kvbridge.tools.testing.api_server import BackgroundServer
 from tests.e2e.conftest import Serve, start_all
 from tests.helpers import wait_until
 from tests.real_model import CAPITAL_ANSWER, CAPITAL_QUESTION, smollm2_dir

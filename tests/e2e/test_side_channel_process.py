@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from kvbridge.handshake.process.parent import LIVENESS_TIMEOUT
-from kvbridge.testing.procfs import children, gone, listening
-from kvbridge.testing.wait import wait_until
+from kvbridge.tools.testing.procfs import children, gone, listening
+from kvbridge.tools.testing.wait import wait_until
 from tests.e2e.conftest import START_TIMEOUT, Serve, complete
 
 CHILD = "kvbridge.handshake.process.child"

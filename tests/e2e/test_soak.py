@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from kvbridge.proxy import build_proxy_app
-from kvbridge.testing.api_server import BackgroundServer
-from kvbridge.testing.procfs import instance_rss_mib
+from kvbridge.tools.testing.api_server import BackgroundServer
+from kvbridge.tools.testing.procfs import instance_rss_mib
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.conftest import complete as _complete
 from tests.e2e.test_pd import _wait_blocks_back

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.testing.certs import write_certs
-from kvbridge.testing.prometheus import metric_total, parse_samples
+from kvbridge.tools.testing.certs import write_certs
+from kvbridge.tools.testing.prometheus import metric_total, parse_samples
 from tests.conftest import ROOT
 from tests.helpers import wait_until
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from kvbridge.testing.procfs import gone
-from kvbridge.testing.wait import wait_until
+from kvbridge.tools.testing.procfs import gone
+from kvbridge.tools.testing.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE = str(Path(__file__).with_name("node.py"))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.testing.certs import write_certs
-from kvbridge.testing.etcd import EtcdProcess
+from kvbridge.tools.testing.certs import write_certs
+from kvbridge.tools.testing.etcd import EtcdProcess
 from tests.releases.conftest import Node, start_nodes
 from tests.releases.node import NUM_KV_HEADS
 from tests.releases.pd import (
@@ -190,7 +190,7 @@ def test_a_request_preempted_and_resumed_on_the_prefill_is_read_validated(nodes)
 
 def test_the_drift_guard_is_clean_on_the_release(release):
     """Every member the plug-in overrides, every field it reads and every check on the name
-    NixlConnector are as recorded for this release (kvbridge/vllm/fingerprints.py)."""
+    NixlConnector are as recorded for this release (kvbridge/tools/vllm/fingerprints.py)."""
     import os
     import subprocess
     import sys
@@ -200,7 +200,7 @@ def test_the_drift_guard_is_clean_on_the_release(release):
     path = release_path(release)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(p) for p in (path, ROOT) if p is not None])}
-    r = subprocess.run([sys.executable, "-m", "kvbridge.vllm.drift"], env=env,
+    r = subprocess.run([sys.executable, "-m", "kvbridge.tools.vllm.drift"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"vLLM {release} (" in r.stdout and "as recorded" in r.stdout

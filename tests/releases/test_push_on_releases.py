@@ -13,8 +13,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvbridge.testing.certs import write_certs
-from kvbridge.testing.etcd import EtcdProcess
+from kvbridge.tools.testing.certs import write_certs
+from kvbridge.tools.testing.etcd import EtcdProcess
 from tests.releases.conftest import Node, start_nodes
 from tests.releases.test_plugin_on_releases import (
     BLOCK,

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvbridge.testing.prometheus import labelled_total, parse_samples
-from kvbridge.vllm.launch import VllmServer, completion
+from kvbridge.tools.testing.prometheus import labelled_total, parse_samples
+from kvbridge.tools.vllm.launch import VllmServer, completion
 
 # Over 16 tokens: the decode reads whole KV blocks, not only a partial one.
 PROMPT = ("Question: What is the capital of France, and which river flows through it? "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.vllm.drift import (
+from kvbridge.tools.vllm.drift import (
     FIELDS,
     MEMBERS,
     NIXL,
@@ -24,7 +24,7 @@ from kvbridge.vllm.drift import (
     main,
     minor_version,
 )
-from kvbridge.vllm.fingerprints import FINGERPRINTS
+from kvbridge.tools.vllm.fingerprints import FINGERPRINTS
 from kvbridge.vllm.settings import TESTED_VLLM
 
 pytest.importorskip("vllm")
@@ -137,7 +137,7 @@ def test_a_removed_field_the_plugin_reads_is_named() -> None:
 
 def test_every_field_the_plugin_reads_is_found_somewhere() -> None:
     """A field name mistyped in drift.FIELDS would be recorded absent everywhere."""
-    from kvbridge.vllm.fingerprints import FIELDS_PRESENT
+    from kvbridge.tools.vllm.fingerprints import FIELDS_PRESENT
 
     for key in FIELDS_PRESENT["0.32"]:
         assert any(FIELDS_PRESENT[v][key] for v in FIELDS_PRESENT), key

@@ -27,7 +27,7 @@ from kvbridge.handshake.http.tls_sessions import tls_sessions
 from kvbridge.handshake.payloads import PayloadStore
 from kvbridge.net import free_port
 from kvbridge.settings import SETTINGS
-from kvbridge.testing.certs import write_certs
+from kvbridge.tools.testing.certs import write_certs
 
 pytest.importorskip("vllm")
 

@@ -2,7 +2,7 @@
 at TP 1 read by a decode at TP 2, and a prefill at TP 2 read by a decode at TP 1.
 
 SmolLM2-135M's 3 KV heads do not split over 2 ranks, so the module writes a 2-layer Llama
-with 2 KV heads (head_dim 64) and random weights (kvbridge.testing.checkpoints), with
+with 2 KV heads (head_dim 64) and random weights (kvbridge.tools.testing.checkpoints), with
 SmolLM2's tokenizer. Two servers, each both prefill and decode (``kv_both``): ``tp1`` on
 core 0, ``tp2`` with both ranks on core 1 (instances on disjoint cores: with ``tp2`` on
 ``0|1``, core 0 double-booked, decode handshakes timed out in 4 of 8 runs; docs/vllm.md
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.testing.checkpoints import random_llama
-from kvbridge.vllm.launch import VllmServer, decode, prefill
+from kvbridge.tools.testing.checkpoints import random_llama
+from kvbridge.tools.vllm.launch import VllmServer, decode, prefill
 from tests.helpers import wait_until
 from tests.vllm.conftest import (
     MAX_TOKENS,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.launch import free_port
-from kvbridge.testing.etcd import EtcdProcess
-from kvbridge.vllm.launch import VllmServer, decode, prefill
+from kvbridge.tools.launch import free_port
+from kvbridge.tools.testing.etcd import EtcdProcess
+from kvbridge.tools.vllm.launch import VllmServer, decode, prefill
 from tests.helpers import wait_until
 from tests.vllm.conftest import (
     MAX_TOKENS,

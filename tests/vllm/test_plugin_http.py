@@ -18,11 +18,11 @@ import httpx
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.launch import KVBridgeProcess, free_port, read_metric
 from kvbridge.net import listen_socket
-from kvbridge.testing.etcd import EtcdProcess
-from kvbridge.testing.procfs import gone, group_processes, listening, status_field
-from kvbridge.vllm.launch import VllmServer, decode, pd_text, prefill
+from kvbridge.tools.launch import KVBridgeProcess, free_port, read_metric
+from kvbridge.tools.testing.etcd import EtcdProcess
+from kvbridge.tools.testing.procfs import gone, group_processes, listening, status_field
+from kvbridge.tools.vllm.launch import VllmServer, decode, pd_text, prefill
 from tests.helpers import wait_until
 from tests.vllm.conftest import (
     MAX_TOKENS,

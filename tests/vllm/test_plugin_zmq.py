@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import zmq
 
-from kvbridge.testing.procfs import group_cpu_seconds
-from kvbridge.vllm.launch import VllmServer, decode, prefill
+from kvbridge.tools.testing.procfs import group_cpu_seconds
+from kvbridge.tools.vllm.launch import VllmServer, decode, prefill
 from tests.helpers import wait_until
 from tests.vllm.conftest import (
     MAX_TOKENS,

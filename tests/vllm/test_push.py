@@ -19,8 +19,8 @@ import httpx
 import msgspec
 import pytest
 
-from kvbridge.testing.prometheus import labelled_total, parse_samples
-from kvbridge.vllm.launch import VllmServer, decode, pd_text, prefill
+from kvbridge.tools.testing.prometheus import labelled_total, parse_samples
+from kvbridge.tools.vllm.launch import VllmServer, decode, pd_text, prefill
 from tests.helpers import wait_until
 from tests.vllm.conftest import MAX_TOKENS, PROMPT, REQUEST_TIMEOUT, answer, nixl_bytes, running
 

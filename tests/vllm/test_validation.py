@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvbridge.testing.prometheus import labelled_total, parse_samples
-from kvbridge.vllm.launch import VllmServer, completion, decode, prefill
+from kvbridge.tools.testing.prometheus import labelled_total, parse_samples
+from kvbridge.tools.vllm.launch import VllmServer, completion, decode, prefill
 from tests.helpers import wait_until
 from tests.vllm.conftest import (
     REQUEST_TIMEOUT,

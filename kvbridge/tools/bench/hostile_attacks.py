@@ -14,11 +14,11 @@ from typing import Any
 
 import httpx
 
-from kvbridge.bench.common import progress
-from kvbridge.bench.report import percentiles
-from kvbridge.launch import read_metric
-from kvbridge.testing.procfs import instance_rss_mib
-from kvbridge.testing.wait import WaitTimeout, wait_until
+from kvbridge.tools.bench.common import progress
+from kvbridge.tools.bench.report import percentiles
+from kvbridge.tools.launch import read_metric
+from kvbridge.tools.testing.procfs import instance_rss_mib
+from kvbridge.tools.testing.wait import WaitTimeout, wait_until
 
 HOST = "127.0.0.1"
 

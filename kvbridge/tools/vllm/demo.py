@@ -19,9 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from kvbridge.launch import KVBridgeProcess, free_port, read_metric
-from kvbridge.testing.certs import write_certs
-from kvbridge.vllm.launch import VllmServer
+from kvbridge.tools.launch import KVBridgeProcess, free_port, read_metric
+from kvbridge.tools.testing.certs import write_certs
+from kvbridge.tools.vllm.launch import VllmServer
 
 QUESTIONS = [
     "What is the capital of France?",

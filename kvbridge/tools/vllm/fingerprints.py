@@ -1,7 +1,7 @@
 """Recorded fingerprints of the vLLM members the plug-in depends on, one entry per
-supported vLLM minor version (see kvbridge/vllm/drift.py; docs/vllm.md, "The next vLLM").
+supported vLLM minor version (see kvbridge/tools/vllm/drift.py; docs/vllm.md, "The next vLLM").
 
-Written by ``python -m kvbridge.vllm.drift [--wheel PATH] --write``: do not edit by hand.
+Written by ``python -m kvbridge.tools.vllm.drift [--wheel PATH] --write``: do not edit by hand.
 None: the member does not exist in that version.
 """
 

@@ -1,4 +1,4 @@
-"""The goals of ``kvbridge bench vllm`` (kvbridge/bench/vllm.py), checked on its results."""
+"""The goals of ``kvbridge bench vllm`` (kvbridge/tools/bench/vllm.py), checked on its results."""
 
 from __future__ import annotations
 

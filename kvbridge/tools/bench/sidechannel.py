@@ -1,7 +1,7 @@
 """``kvbridge bench sidechannel``: a herd of concurrent handshake clients against one
 ``http`` side-channel server process (plain and TLS).
 
-The server process (``kvbridge.bench.peer sidechannel``) serves a TP 2 metadata store
+The server process (``kvbridge.tools.bench.peer sidechannel``) serves a TP 2 metadata store
 (real NIXL agents) with a token. This process runs the herd: N clients in flight, each
 with its own keep-alive connection, each asking for one rank again and again for a fixed
 time (longer if needed, so that a window holds at least one reply per client). The clients
@@ -35,7 +35,7 @@ from typing import Any
 
 import uvloop
 
-from kvbridge.bench.common import (
+from kvbridge.tools.bench.common import (
     Child,
     apply_quick,
     idle_cpu,
@@ -44,8 +44,8 @@ from kvbridge.bench.common import (
     progress,
     pyplot,
 )
-from kvbridge.bench.report import goal_lines, percentiles
-from kvbridge.testing.certs import write_certs
+from kvbridge.tools.bench.report import goal_lines, percentiles
+from kvbridge.tools.testing.certs import write_certs
 
 TOKEN = "bench-" + "y" * 26
 PATH = "/v1/kv/handshake"

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvbridge.bench.common import apply_quick, load_average, progress, pyplot
-from kvbridge.bench.report import goal_lines, percentiles
-from kvbridge.launch import KVBridgeProcess, free_port
+from kvbridge.tools.bench.common import apply_quick, load_average, progress, pyplot
+from kvbridge.tools.bench.report import goal_lines, percentiles
+from kvbridge.tools.launch import KVBridgeProcess, free_port
 
 HOST = "127.0.0.1"
 QUICK = {"rounds": 20, "warmup": 3}

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvbridge.bench.common import pyplot
-from kvbridge.bench.report import goal_lines
+from kvbridge.tools.bench.common import pyplot
+from kvbridge.tools.bench.report import goal_lines
 
 RSS_BOUND_MIB = 64  # the bound on growth under the endless-frame attack
 HANDSHAKE_GOAL_S = 2.0

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import httpx
 
-from kvbridge.launch import KVBridgeProcess, free_port, read_metric
-from kvbridge.testing.certs import issue, new_ca
+from kvbridge.tools.launch import KVBridgeProcess, free_port, read_metric
+from kvbridge.tools.testing.certs import issue, new_ca
 
 PROMPTS = [
     "The side channel carries metadata, the data plane carries KV blocks.",

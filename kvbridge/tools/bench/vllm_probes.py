@@ -9,9 +9,9 @@ from typing import Any
 
 import httpx
 
-from kvbridge.bench.load import run_closed_loop, stream_completion
-from kvbridge.bench.report import percentiles
 from kvbridge.config import TLSConfig
+from kvbridge.tools.bench.load import run_closed_loop, stream_completion
+from kvbridge.tools.bench.report import percentiles
 
 PROMPT = ("Explain in a few sentences why a decode instance reads the prompt's KV cache from "
           "a prefill instance instead of computing it again. Request {i}.")
@@ -138,7 +138,7 @@ def bare_tls(port: int, n: int, tls: TLSConfig) -> list[float]:
 def read_validation(decode: str) -> dict[str, float]:
     """The decode's READ results (``vllm:kvbridge_kv_reads_total``) and the mean time of a
     tag READ against the mean time of a data READ (``tag_read_share``)."""
-    from kvbridge.testing.prometheus import labelled_total, metric_total, parse_samples
+    from kvbridge.tools.testing.prometheus import labelled_total, metric_total, parse_samples
     from kvbridge.vllm.validation import RESULTS
 
     try:

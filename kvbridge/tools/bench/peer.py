@@ -1,9 +1,9 @@
 """The far side of a benchmark, run as its own OS process (see ``common.Child``).
 
-    python -m kvbridge.bench.peer sidechannel --tp 2 --methods zmq,http,https --certs DIR ...
+    python -m kvbridge.tools.bench.peer sidechannel --tp 2 --methods zmq,http,https --certs DIR ...
         a prefill reduced to its side channel: one NIXL agent + KV cache per rank, a
         ``MetadataStore`` served over the requested methods; prints ports and sizes.
-    python -m kvbridge.bench.peer transfer --pool-bytes N
+    python -m kvbridge.tools.bench.peer transfer --pool-bytes N
         a registered, touched buffer of N bytes for NIXL READs, and a TCP socket that
         sends slices of the same buffer (the loopback baseline).
 
@@ -141,7 +141,7 @@ def transfer(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m kvbridge.bench.peer")
+    p = argparse.ArgumentParser(prog="python -m kvbridge.tools.bench.peer")
     sub = p.add_subparsers(dest="role", required=True)
     s = sub.add_parser("sidechannel")
     s.add_argument("--tp", type=int, default=2)

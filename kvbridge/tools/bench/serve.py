@@ -31,13 +31,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvbridge.bench.common import apply_quick, load_average, proc_stats, progress
-from kvbridge.bench.load import run_closed_loop, stream_completion
-from kvbridge.bench.report import percentiles
-from kvbridge.bench.serve_metrics import breakdown, metric, snapshot, transfer_totals
-from kvbridge.bench.serve_report import SWEPT, plot, summary
-from kvbridge.launch import KVBridgeProcess, free_port
-from kvbridge.testing.wait import wait_until
+from kvbridge.tools.bench.common import apply_quick, load_average, proc_stats, progress
+from kvbridge.tools.bench.load import run_closed_loop, stream_completion
+from kvbridge.tools.bench.report import percentiles
+from kvbridge.tools.bench.serve_metrics import breakdown, metric, snapshot, transfer_totals
+from kvbridge.tools.bench.serve_report import SWEPT, plot, summary
+from kvbridge.tools.launch import KVBridgeProcess, free_port
+from kvbridge.tools.testing.wait import wait_until
 
 __all__ = ["add_arguments", "plot", "run", "summary"]
 

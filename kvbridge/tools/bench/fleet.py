@@ -24,12 +24,12 @@ from typing import Any
 
 import httpx
 
-from kvbridge.bench.common import apply_quick, progress, pyplot
-from kvbridge.bench.load import ClosedLoop
-from kvbridge.bench.report import goal_lines
-from kvbridge.launch import KVBridgeProcess, free_port
-from kvbridge.testing.prometheus import read_samples
-from kvbridge.testing.wait import wait_until
+from kvbridge.tools.bench.common import apply_quick, progress, pyplot
+from kvbridge.tools.bench.load import ClosedLoop
+from kvbridge.tools.bench.report import goal_lines
+from kvbridge.tools.launch import KVBridgeProcess, free_port
+from kvbridge.tools.testing.prometheus import read_samples
+from kvbridge.tools.testing.wait import wait_until
 
 START_TIMEOUT = 180.0
 QUICK = {"clients": 4, "steady_seconds": 3.0, "max_tokens": 4}
@@ -94,7 +94,7 @@ def _poll(cond, timeout: float, what: str, every: float = 0.01) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kvbridge.testing.etcd import EtcdProcess
+    from kvbridge.tools.testing.etcd import EtcdProcess
 
     apply_quick(args, QUICK)
     env = {**os.environ}

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import httpx
 
 from kvbridge.net import free_port
-from kvbridge.testing.prometheus import parse_samples
+from kvbridge.tools.testing.prometheus import parse_samples
 
 # "kvbridge": the plug-in (pull), "kvbridge-push": its push connector, "nixl": vLLM's own
 # NixlConnector (pull), "nixl-push": vLLM's own NixlPushConnector.

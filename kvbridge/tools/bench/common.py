@@ -1,6 +1,6 @@
 """Helpers shared by the benchmarks: child processes, /proc readings, ``--quick`` sizes,
-plots. Certificates come from ``kvbridge.testing.certs``, the load from
-``kvbridge.bench.load``."""
+plots. Certificates come from ``kvbridge.tools.testing.certs``, the load from
+``kvbridge.tools.bench.load``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from kvbridge.testing.procfs import cpu_seconds, instance_rss_mib
+from kvbridge.tools.testing.procfs import cpu_seconds, instance_rss_mib
 
 
 def progress(msg: str) -> None:
@@ -21,7 +21,7 @@ def progress(msg: str) -> None:
 
 
 class Child:
-    """A ``python -m kvbridge.bench.peer ROLE ...`` process.
+    """A ``python -m kvbridge.tools.bench.peer ROLE ...`` process.
 
     It prints one JSON line once ready; further commands are lines on stdin answered
     by one JSON line each; it exits when stdin closes.
@@ -30,7 +30,7 @@ class Child:
     def __init__(self, role: str, *args: str, start_timeout: float = 120.0):
         self.role = role
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge.bench.peer", role, *args], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "kvbridge.tools.bench.peer", role, *args], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, bufsize=1)
         self.info: dict[str, Any] = self._read(start_timeout)
         self.pid = self.proc.pid
@@ -76,7 +76,7 @@ class Child:
 
 def proc_stats(pid: int) -> dict[str, float]:
     """CPU seconds (utime + stime) and peak RSS (``VmHWM``, MiB) of a process, and the
-    current RSS of its instance (``kvbridge.testing.procfs.instance_rss_mib``)."""
+    current RSS of its instance (``kvbridge.tools.testing.procfs.instance_rss_mib``)."""
     out = {"cpu_seconds": cpu_seconds(pid), "peak_rss_mib": float("nan"), "rss_mib": float("nan")}
     with open(f"/proc/{pid}/status") as f:
         for line in f:

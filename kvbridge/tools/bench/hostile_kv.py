@@ -10,10 +10,10 @@ from typing import Any
 
 import httpx
 
-from kvbridge.bench.common import progress
-from kvbridge.bench.report import percentiles
-from kvbridge.launch import read_metric
-from kvbridge.testing.wait import wait_until
+from kvbridge.tools.bench.common import progress
+from kvbridge.tools.bench.report import percentiles
+from kvbridge.tools.launch import read_metric
+from kvbridge.tools.testing.wait import wait_until
 
 PROMPT = "Held KV must only ever be read by the request it was computed for. " * 3
 MAX_TOKENS = 8

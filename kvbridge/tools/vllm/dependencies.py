@@ -1,6 +1,6 @@
 """What of vLLM the plug-in depends on: the members it overrides, bypasses or mirrors
 (``MEMBERS``) and the fields of vLLM's data it reads (``FIELDS``), each with why. The drift
-guard (kvbridge/vllm/drift.py) fingerprints and looks them up in a vLLM's source."""
+guard (kvbridge/tools/vllm/drift.py) fingerprints and looks them up in a vLLM's source."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Two network namespaces made for the run ("hosts" a and b, joined by one veth pai
 addresses from 198.18.0.0/15, the range set aside for network tests) and ``UCX_TLS=tcp,self``
 in both processes, so that UCX moves the bytes over TCP across the veth as between two
 machines (without it UCX sees one machine and copies through shared memory). The peer
-(``kvbridge.bench.peer transfer``) is started in b; this process enters a, registers its
+(``kvbridge.tools.bench.peer transfer``) is started in b; this process enters a, registers its
 buffer, adds the peer's agent and, per point, times a NIXL READ of ``n`` contiguous blocks
 and the same bytes sent by the peer over one TCP connection (the raw stream), interleaved.
 Both namespaces (and with them the veth) are deleted at the end, on any outcome.
@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.bench.common import Child, load_average, progress, pyplot
-from kvbridge.bench.report import goal_lines
-from kvbridge.bench.transfer import _descs, _interleaved
+from kvbridge.tools.bench.common import Child, load_average, progress, pyplot
+from kvbridge.tools.bench.report import goal_lines
+from kvbridge.tools.bench.transfer import _descs, _interleaved
 
 KiB = 1024
 SUBNET = "198.18.20"  # a and b: .1 and .2 (inside the namespaces made here only)

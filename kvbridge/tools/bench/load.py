@@ -20,7 +20,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.testing.wait import wait_until
+from kvbridge.tools.testing.wait import wait_until
 
 __all__ = ["ClosedLoop", "LoopResult", "run_closed_loop", "stream_completion"]
 

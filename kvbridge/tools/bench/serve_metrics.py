@@ -3,8 +3,8 @@ figure, a snapshot of every sample, and a level's mean TTFT split into named par
 
 from __future__ import annotations
 
-from kvbridge.launch import read_metric
-from kvbridge.testing.prometheus import read_samples
+from kvbridge.tools.launch import read_metric
+from kvbridge.tools.testing.prometheus import read_samples
 
 PHASES = ("queue", "kv_load", "after_load", "first_step", "time_to_first_token")
 

@@ -57,20 +57,20 @@ from typing import Any
 
 import httpx
 
-from kvbridge.bench.common import apply_quick, load_average, progress, pyplot
-from kvbridge.bench.report import goal_lines, percentiles
-from kvbridge.bench.vllm_goals import COLD_GOAL, goals
-from kvbridge.bench.vllm_probes import (
+from kvbridge.config import TLSConfig
+from kvbridge.net import free_port
+from kvbridge.tools.bench.common import apply_quick, load_average, progress, pyplot
+from kvbridge.tools.bench.report import goal_lines, percentiles
+from kvbridge.tools.bench.vllm_goals import COLD_GOAL, goals
+from kvbridge.tools.bench.vllm_probes import (
     bare_tls,
     closed_loop,
     fetch_http,
     fetch_zmq,
     read_validation,
 )
-from kvbridge.config import TLSConfig
-from kvbridge.net import free_port
-from kvbridge.testing.certs import write_certs
-from kvbridge.vllm.launch import VllmServer
+from kvbridge.tools.testing.certs import write_certs
+from kvbridge.tools.vllm.launch import VllmServer
 
 SETUPS = ("native", "zmq", "http", "https", "http-unvalidated", "http-busy")
 START_TIMEOUT = 1200.0  # a pair of vLLM servers on a busy 2-core machine

@@ -28,12 +28,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvbridge.bench.common import apply_quick, load_average
-from kvbridge.bench.hostile_attacks import HOST, pinning_flood, side_channel_attack, zmq_endless
-from kvbridge.bench.hostile_kv import audit_volume, kv_integrity
-from kvbridge.bench.hostile_report import HANDSHAKE_GOAL_S, RSS_BOUND_MIB, plot, summary
-from kvbridge.launch import KVBridgeProcess, free_port
-from kvbridge.testing.certs import write_certs
+from kvbridge.tools.bench.common import apply_quick, load_average
+from kvbridge.tools.bench.hostile_attacks import (
+    HOST,
+    pinning_flood,
+    side_channel_attack,
+    zmq_endless,
+)
+from kvbridge.tools.bench.hostile_kv import audit_volume, kv_integrity
+from kvbridge.tools.bench.hostile_report import HANDSHAKE_GOAL_S, RSS_BOUND_MIB, plot, summary
+from kvbridge.tools.launch import KVBridgeProcess, free_port
+from kvbridge.tools.testing.certs import write_certs
 
 __all__ = ["add_arguments", "plot", "run", "summary"]
 

@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvbridge.bench.common import Child, apply_quick, idle_cpu, load_average, progress, pyplot
-from kvbridge.bench.peer import BENCH_MODEL, kv_shape_args, make_agents
-from kvbridge.bench.report import goal_lines, percentiles
-from kvbridge.testing.certs import write_certs
+from kvbridge.tools.bench.common import Child, apply_quick, idle_cpu, load_average, progress, pyplot
+from kvbridge.tools.bench.peer import BENCH_MODEL, kv_shape_args, make_agents
+from kvbridge.tools.bench.report import goal_lines, percentiles
+from kvbridge.tools.testing.certs import write_certs
 
 METHODS = ("zmq", "http", "https")
 TOKEN = "bench-" + "x" * 26

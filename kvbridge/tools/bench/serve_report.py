@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvbridge.bench.common import pyplot
-from kvbridge.bench.report import goal_lines
+from kvbridge.tools.bench.common import pyplot
+from kvbridge.tools.bench.report import goal_lines
 
 SWEPT = ("pd", "mono")  # the concurrency sweep skips pd_prewarmed (its first request is the point)
 

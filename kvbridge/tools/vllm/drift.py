@@ -9,10 +9,10 @@ Beside the members, every place vLLM keys a check on the name ``NixlConnector`` 
 fingerprinted too (kvbridge/vllm/guards.py answers them). And every field of vLLM's data the
 plug-in reads (``FIELDS``: the scheduler output, requests, the connector metadata) is looked
 up: a field that is gone is named, as a fingerprint cannot (a class whose other fields
-changed would say "changed", not what the plug-in lost). kvbridge/vllm/fingerprints.py holds
+changed would say "changed", not what the plug-in lost). kvbridge/tools/vllm/fingerprints.py holds
 the recorded values, one entry per supported vLLM minor version.
 
-``python -m kvbridge.vllm.drift [--wheel PATH] [--write]``: compare (or with ``--write``
+``python -m kvbridge.tools.vllm.drift [--wheel PATH] [--write]``: compare (or with ``--write``
 record) the installed vLLM or a downloaded wheel (``pip download vllm==X --no-deps``).
 """
 
@@ -29,7 +29,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbridge.vllm.dependencies import FIELDS, MEMBERS, NAME, NAME_EXPORTS, NIXL, Fields, Member
+from kvbridge.tools.vllm.dependencies import (
+    FIELDS,
+    MEMBERS,
+    NAME,
+    NAME_EXPORTS,
+    NIXL,
+    Fields,
+    Member,
+)
 
 __all__ = ["FIELDS", "MEMBERS", "NIXL", "Fields", "Member", "SourceTree", "drift", "fingerprint",
            "installed_tree", "main", "member_fingerprints", "minor_version", "read_fields",
@@ -51,7 +59,7 @@ def installed_tree() -> SourceTree:
     """The installed vLLM's files (found, not imported)."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("kvbridge.vllm.drift: vLLM is not installed")
+        raise SystemExit("kvbridge.tools.vllm.drift: vLLM is not installed")
     root = Path(next(iter(spec.submodule_search_locations)))
 
     def read(path: str) -> str | None:
@@ -80,12 +88,12 @@ def minor_version(tree: SourceTree) -> str:
     """``X.Y`` of the tree's ``vllm/_version.py`` (``__version__ = version = '0.32.0'``)."""
     text = tree.read("_version.py")
     if text is None:
-        raise SystemExit(f"kvbridge.vllm.drift: no vllm/_version.py in {tree.where}")
+        raise SystemExit(f"kvbridge.tools.vllm.drift: no vllm/_version.py in {tree.where}")
     for node in ast.parse(text).body:
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and any(
                 isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets):
             return ".".join(str(node.value.value).split("+")[0].split(".")[:2])
-    raise SystemExit(f"kvbridge.vllm.drift: no __version__ in {tree.where}")
+    raise SystemExit(f"kvbridge.tools.vllm.drift: no __version__ in {tree.where}")
 
 
 def _strip_docstrings(node: ast.AST) -> ast.AST:
@@ -191,7 +199,7 @@ def _scan(node: ast.AST, path: str, prefix: str, out: dict[str, str]) -> None:
 
 def drift(tree: SourceTree) -> tuple[str, list[str]]:
     """The tree's ``X.Y`` and one line per difference from the recorded fingerprints."""
-    from kvbridge.vllm.fingerprints import FIELDS_PRESENT, FINGERPRINTS, NAME_CHECKS
+    from kvbridge.tools.vllm.fingerprints import FIELDS_PRESENT, FINGERPRINTS, NAME_CHECKS
 
     version = minor_version(tree)
     if version not in FINGERPRINTS:
@@ -227,9 +235,9 @@ def drift(tree: SourceTree) -> tuple[str, list[str]]:
 
 FINGERPRINTS_FILE = Path(__file__).with_name("fingerprints.py")
 _HEADER = '''"""Recorded fingerprints of the vLLM members the plug-in depends on, one entry per
-supported vLLM minor version (see kvbridge/vllm/drift.py; docs/vllm.md, "The next vLLM").
+supported vLLM minor version (see kvbridge/tools/vllm/drift.py; docs/vllm.md, "The next vLLM").
 
-Written by ``python -m kvbridge.vllm.drift [--wheel PATH] --write``: do not edit by hand.
+Written by ``python -m kvbridge.tools.vllm.drift [--wheel PATH] --write``: do not edit by hand.
 None: the member does not exist in that version.
 """
 
@@ -241,7 +249,7 @@ from __future__ import annotations
 def write_fingerprints(version: str, members: dict[str, str | None],
                        names: dict[str, str], fields: dict[str, bool]) -> Path:
     """Replace ``version``'s entry in fingerprints.py (the other versions' stay)."""
-    from kvbridge.vllm.fingerprints import FIELDS_PRESENT, FINGERPRINTS, NAME_CHECKS
+    from kvbridge.tools.vllm.fingerprints import FIELDS_PRESENT, FINGERPRINTS, NAME_CHECKS
 
     prints = {**FINGERPRINTS, version: members}
     checks = {**NAME_CHECKS, version: names}
@@ -267,11 +275,11 @@ def write_fingerprints(version: str, members: dict[str, str | None],
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvbridge.vllm.drift", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kvbridge.tools.vllm.drift", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--wheel", type=Path, help="a vLLM wheel (default: the installed vLLM)")
     ap.add_argument("--write", action="store_true",
-                    help="record this vLLM's fingerprints in kvbridge/vllm/fingerprints.py")
+                    help="record this vLLM's fingerprints in kvbridge/tools/vllm/fingerprints.py")
     args = ap.parse_args(argv)
     tree = wheel_tree(args.wheel) if args.wheel else installed_tree()
     if args.write:

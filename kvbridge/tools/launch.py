@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from kvbridge.net import free_port
-from kvbridge.testing.prometheus import metric_total, read_samples
+from kvbridge.tools.testing.prometheus import metric_total, read_samples
 
 __all__ = ["KVBridgeProcess", "free_port", "read_metric"]
 

@@ -24,7 +24,7 @@ class LazyBenchParser(argparse.ArgumentParser):
 
 
 def bench_parser(sub: argparse._SubParsersAction) -> None:
-    from kvbridge.bench import BENCHMARKS
+    from kvbridge.tools.bench import BENCHMARKS
 
     b = sub.add_parser("bench", help="benchmarks: JSON + PNG under --out (see BENCHMARKS.md)")
     bsub = b.add_subparsers(dest="benchmark", required=True, parser_class=LazyBenchParser)
@@ -39,7 +39,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import importlib
     from pathlib import Path
 
-    from kvbridge.bench import report
+    from kvbridge.tools.bench import report
 
     mod = importlib.import_module(args.bench_module)
     result = mod.run(args)

@@ -1,6 +1,6 @@
 """``kvbridge bench transfer``: NIXL READs of KV blocks between two processes.
 
-A peer process (``kvbridge.bench.peer transfer``) registers a touched buffer with its own
+A peer process (``kvbridge.tools.bench.peer transfer``) registers a touched buffer with its own
 NIXL agent; this process registers its own touched buffer, adds the peer's agent and
 READs ``n`` blocks of ``B`` bytes per transfer, sweeping ``n`` and ``B``:
 
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.bench.common import Child, apply_quick, idle_cpu, load_average, progress, pyplot
-from kvbridge.bench.peer import pattern
-from kvbridge.bench.report import goal_lines
+from kvbridge.tools.bench.common import Child, apply_quick, idle_cpu, load_average, progress, pyplot
+from kvbridge.tools.bench.peer import pattern
+from kvbridge.tools.bench.report import goal_lines
 
 KiB = 1024
 READS_IN_FLIGHT = 4  # the same blocks split into this many READs at once
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     apply_quick(args, QUICK)
     if args.netns:
-        from kvbridge.bench import transfer_netns
+        from kvbridge.tools.bench import transfer_netns
 
         return transfer_netns.run(args)
     blocks = [int(x) for x in str(args.blocks or "1,4,16,64,256,1024,4096").split(",")]
@@ -324,7 +324,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def summary(r: dict[str, Any]) -> str:
     if r["config"].get("mode") == "netns":
-        from kvbridge.bench.transfer_netns import summary as netns_summary
+        from kvbridge.tools.bench.transfer_netns import summary as netns_summary
 
         return netns_summary(r)
     lines = ["block  blocks      MiB  NIXL GB/s  scat GB/s  memcpy GB/s  TCP GB/s  "
@@ -351,7 +351,7 @@ def summary(r: dict[str, Any]) -> str:
 
 def plot(r: dict[str, Any], path: Path) -> None:
     if r["config"].get("mode") == "netns":
-        from kvbridge.bench.transfer_netns import plot as netns_plot
+        from kvbridge.tools.bench.transfer_netns import plot as netns_plot
 
         return netns_plot(r, path)
     plt = pyplot()
