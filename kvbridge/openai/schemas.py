@@ -7,6 +7,7 @@ Unknown fields are ignored, known ones are type-checked; ``kv_transfer_params`` 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -23,7 +24,7 @@ __all__ = [
     "CompletionRequest",
     "StreamOptions",
     "chat_max_tokens",
-    "check_request_body",
+    "check_request",
     "parse_request",
     "sampling_settings",
 ]
@@ -62,14 +63,15 @@ class ChatCompletionRequest(CommonRequest, kw_only=True):
     max_completion_tokens: int | None = None
 
 
-def check_request_body(body: bytes, chat: bool) -> None:
+def check_request(body: dict[str, Any], chat: bool) -> None:
     """Every check an engine makes of a request before it tokenizes the prompt: the schema
-    (types, ``kv_transfer_params``) and the sampling settings. Raises ``RequestError``.
+    (types, ``kv_transfer_params``) and the sampling settings, on a body already decoded
+    (and size- and depth-checked). Raises ``RequestError``.
 
     The proxy runs it before the prefill hop, so that a request the decode would refuse
     never makes a prefill compute and hold KV that nobody reads.
     """
-    req = parse_request(body, chat)
+    req = _checked(_convert(lambda schema: msgspec.convert(body, type=schema), chat), chat)
     if chat:
         param, max_tokens = chat_max_tokens(req)
     else:
@@ -80,10 +82,14 @@ def check_request_body(body: bytes, chat: bool) -> None:
 
 def parse_request(body: bytes, chat: bool) -> Any:
     """The request decoded and checked (``ChatCompletionRequest`` or ``CompletionRequest``)."""
-    schema = ChatCompletionRequest if chat else CompletionRequest
     check_json_body(body)  # msgspec recurses per level: a deep body must not reach it
+    return _checked(_convert(lambda schema: msgspec.json.decode(body, type=schema), chat), chat)
+
+
+def _convert(decode: Callable[[type], Any], chat: bool) -> Any:
+    """``decode(schema)``, its errors as the 400 an engine answers."""
     try:
-        req = msgspec.json.decode(body, type=schema)
+        return decode(ChatCompletionRequest if chat else CompletionRequest)
     except msgspec.ValidationError as e:
         m = re.search(r"at `\$\.([A-Za-z_]+)", str(e))
         param = m.group(1) if m else None
@@ -91,6 +97,9 @@ def parse_request(body: bytes, chat: bool) -> Any:
         raise RequestError(400, f"invalid {what}: {e}", param) from None
     except msgspec.DecodeError as e:
         raise RequestError(400, f"malformed JSON body: {e}") from None
+
+
+def _checked(req: Any, chat: bool) -> Any:
     if chat and not req.messages:
         raise RequestError(400, "messages must not be empty", "messages")
     if req.kv_transfer_params is not None:

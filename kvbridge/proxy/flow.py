@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from kvbridge.errors import RequestError
 from kvbridge.limits import decode_json_body, read_json_body
-from kvbridge.openai.schemas import check_request_body
+from kvbridge.openai.schemas import check_request
 from kvbridge.proxy.engine_client import (
     DEFAULT_TIMEOUT,
     Deadline,
@@ -83,8 +83,7 @@ class Flow:
         try:
             # The decode's own checks, now: a request it would refuse must not make a
             # prefill compute and hold KV (the client's kv_transfer_params are replaced).
-            check_request_body(dumps({**body, "kv_transfer_params": None}),
-                               chat=endpoint == CHAT)
+            check_request({**body, "kv_transfer_params": None}, chat=endpoint == CHAT)
         except RequestError as e:
             return proxy_error(e.status, e.message, e.type, e.param, e.code)
         request_id, refused_id = accept_request_id(request.headers.get("x-request-id"))
