@@ -397,3 +397,20 @@ def test_an_import_against_a_module_map_is_caught():
                         "below base in kvbridge/handshake/__init__.py's module map"]
     assert inward_upward_imports("kvbridge.handshake.zmtp",
                                  "from kvbridge.handshake.base import y\n", order) == []
+
+
+def test_every_module_imports():
+    """A move that leaves an import behind (a name gone from the module it came from) fails
+    here, not in the first test that happens to start a vLLM server."""
+    import importlib
+    import pkgutil
+
+    import kvbridge
+
+    failed = []
+    for info in pkgutil.walk_packages(kvbridge.__path__, "kvbridge."):
+        try:
+            importlib.import_module(info.name)
+        except Exception as e:  # noqa: BLE001 - every failure is listed
+            failed.append(f"{info.name}: {type(e).__name__}: {e}")
+    assert not failed, "\n".join(failed)

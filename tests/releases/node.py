@@ -831,6 +831,7 @@ def zygote_main(path: str) -> None:
         except ImportError:
             pass
     _cpu_without_triton_cpu()
+    _inspect_the_model_once()
     threads = os.listdir("/proc/self/task")
     if len(threads) != 1:
         raise SystemExit(f"zygote: {len(threads)} threads after the imports; fork is unsafe")
@@ -857,6 +858,19 @@ def zygote_main(path: str) -> None:
             _become_node(conn, spec["log"], spec["cwd"], spec.get("worker", False))
         conn.close()
     os._exit(0)
+
+
+def _inspect_the_model_once() -> None:
+    """vLLM inspects a model's class in a subprocess (a whole vLLM import) unless its cache
+    (``VLLM_CACHE_ROOT``'s ``modelinfos``) has it: on a fresh machine every node started
+    together would pay it. Done once here, before any fork, the nodes find it cached."""
+    import tempfile
+
+    from vllm.config import ModelConfig
+
+    with tempfile.TemporaryDirectory() as d:
+        ModelConfig(model=str(model_dir(Path(d))), dtype="float32", skip_tokenizer_init=True,
+                    max_model_len=512)
 
 
 def _become_node(conn: Any, log: str, cwd: str, worker: bool) -> None:
