@@ -414,3 +414,65 @@ def test_every_module_imports():
         except Exception as e:  # noqa: BLE001 - every failure is listed
             failed.append(f"{info.name}: {type(e).__name__}: {e}")
     assert not failed, "\n".join(failed)
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of an import graph (its strongly connected components of more than one
+    module), each sorted (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_module_imports_itself_round_a_circle():
+    """No circle between modules, whatever the kind of import (module-level,
+    function-local, TYPE_CHECKING); a package's ``__init__`` re-exporting its modules does
+    not count."""
+    modules = {m for _, m, _ in _sources()}
+    graph: dict[str, set[str]] = {}
+    for path, m, src in _sources():
+        if path.name == "__init__.py":
+            continue
+        graph[m] = set()
+        for imp in imports_of(m, src):
+            target = imp.target
+            while target not in modules and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in modules and target != m and not (ROOT / "kvbridge").joinpath(
+                    *target.split(".")[1:], "__init__.py").exists():
+                graph[m].add(target)
+    cycles = import_cycles(graph)
+    assert not cycles, cycles
+
+
+def test_a_circle_is_found():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []

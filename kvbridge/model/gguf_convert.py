@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from kvbridge.errors import ModelPrepareError
 
 if TYPE_CHECKING:
-    from kvbridge.model.models import PackagedModel
+    from kvbridge.model.packaged import PackagedModel
 
 
 # GGUF tensor names (llama.cpp) -> Hugging Face Llama names.

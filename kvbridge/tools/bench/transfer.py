@@ -33,6 +33,7 @@ import numpy as np
 from kvbridge.tools.bench.common import Child, apply_quick, idle_cpu, load_average, progress, pyplot
 from kvbridge.tools.bench.peer import pattern
 from kvbridge.tools.bench.report import goal_lines
+from kvbridge.tools.bench.timing import descs, interleaved, repeat
 
 KiB = 1024
 READS_IN_FLIGHT = 4  # the same blocks split into this many READs at once
@@ -59,34 +60,6 @@ QUICK = {"blocks": "1,64", "block_sizes": "65536", "min_seconds": 0.0, "min_iter
          "max_iters": 3}
 
 
-def _repeat(fn, args: argparse.Namespace) -> tuple[float, int]:
-    """Median seconds of ``fn()`` over enough runs."""
-    times: list[float] = []
-    t_end = time.perf_counter() + args.min_seconds
-    while len(times) < args.max_iters and (len(times) < args.min_iters
-                                           or time.perf_counter() < t_end):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)), len(times)
-
-
-def _interleaved(fns: dict[str, Any], args: argparse.Namespace) -> dict[str, tuple[float, int]]:
-    """Median seconds of each of ``fns``, run in rounds (one call of each per round, the
-    order alternating), so that load from the rest of the machine hits all of them alike."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    names = list(fns)
-    t_end = time.perf_counter() + args.min_seconds
-    rounds = 0
-    while rounds < args.max_iters and (rounds < args.min_iters or time.perf_counter() < t_end):
-        for k in (names if rounds % 2 == 0 else names[::-1]):
-            t0 = time.perf_counter()
-            fns[k]()
-            times[k].append(time.perf_counter() - t0)
-        rounds += 1
-    return {k: (float(np.median(v)), len(v)) for k, v in times.items()}
-
-
 class _CrossMemory:
     """Baseline: the peer's bytes copied by the kernel with one ``process_vm_readv`` call,
     which is what UCX's ``cma`` transport does for a READ between two processes on one
@@ -106,13 +79,6 @@ class _CrossMemory:
                                          ctypes.byref(rv), ctypes.c_ulong(1), ctypes.c_ulong(0))
         if got != nbytes:
             raise OSError(ctypes.get_errno(), f"process_vm_readv read {got} of {nbytes} bytes")
-
-
-def _descs(base: int, count: int, size: int) -> np.ndarray:
-    out = np.zeros((count, 3), dtype=np.uint64)
-    out[:, 0] = np.uint64(base) + np.arange(count, dtype=np.uint64) * np.uint64(size)
-    out[:, 1] = size
-    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,14 +122,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for size in sizes:
                 count = max_blocks
-                rlist = agent.prep_xfer_dlist(remote, _descs(info["addr"], count, size), "DRAM")
+                rlist = agent.prep_xfer_dlist(remote, descs(info["addr"], count, size), "DRAM")
                 llist = agent.prep_xfer_dlist("NIXL_INIT_AGENT",
-                                              _descs(dst.data_ptr(), count, size), "DRAM")
+                                              descs(dst.data_ptr(), count, size), "DRAM")
                 # A validated load (protocol.md 9a) READs one 8-byte tag per block after
                 # the blocks: here, 8-byte descriptors at the start of the same buffers.
-                rtags = agent.prep_xfer_dlist(remote, _descs(info["addr"], count, 8), "DRAM")
+                rtags = agent.prep_xfer_dlist(remote, descs(info["addr"], count, 8), "DRAM")
                 ltags = agent.prep_xfer_dlist("NIXL_INIT_AGENT",
-                                              _descs(dst.data_ptr(), count, 8), "DRAM")
+                                              descs(dst.data_ptr(), count, 8), "DRAM")
 
                 def nixl_read(lidx: np.ndarray, ridx: np.ndarray, llist=llist,
                               rlist=rlist) -> None:
@@ -206,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for mode, (lidx, ridx) in modes.items():
                         for k in {0, n - 1}:
                             dst_np[int(lidx[k]) * size:(int(lidx[k]) + 1) * size] = 0
-                        secs, iters = _repeat(lambda lidx=lidx, ridx=ridx: nixl_read(lidx, ridx),
+                        secs, iters = repeat(lambda lidx=lidx, ridx=ridx: nixl_read(lidx, ridx),
                                               args)
                         # Check what arrived: block k of the READ holds remote block ridx[k].
                         for k in {0, n - 1}:
@@ -221,13 +187,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                "descs_per_s": n / secs}
                         if mode == "contiguous":
                             # what validation adds: the READ of the blocks' tags, on its own
-                            secs, iters = _repeat(lambda lidx=lidx, ridx=ridx, lt=ltags,
+                            secs, iters = repeat(lambda lidx=lidx, ridx=ridx, lt=ltags,
                                                   rt=rtags: nixl_read(lidx, ridx, lt, rt), args)
                             row["nixl_tags_read"] = {
                                 "seconds": secs, "iters": iters,
                                 "over_blocks_read": secs / row["nixl_contiguous"]["seconds"]}
                         if mode == "contiguous" and n >= READS_IN_FLIGHT:
-                            secs, iters = _repeat(lambda lidx=lidx, ridx=ridx: nixl_reads(
+                            secs, iters = repeat(lambda lidx=lidx, ridx=ridx: nixl_reads(
                                 lidx, ridx, READS_IN_FLIGHT), args)
                             row[f"nixl_{mode}_{READS_IN_FLIGHT}_in_flight"] = {
                                 "seconds": secs, "iters": iters,
@@ -243,12 +209,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             def copy(dv=dv, sv=sv, pairs=pairs) -> None:
                                 for lb, rb in pairs:  # one memcpy per block, no temporary
                                     dv[lb] = sv[rb]
-                        secs, iters = _repeat(copy, args)
+                        secs, iters = repeat(copy, args)
                         row[f"memcpy_{mode}"] = {"seconds": secs, "iters": iters,
                                                  "gb_per_s": nbytes / secs / 1e9}
                     # NIXL READ against process_vm_readv of the same bytes, interleaved
                     lidx, ridx = modes["contiguous"]
-                    pair = _interleaved({
+                    pair = interleaved({
                         "nixl": lambda lidx=lidx, ridx=ridx: nixl_read(lidx, ridx),
                         "cma": lambda nbytes=nbytes: cma.read(dst.data_ptr(), info["addr"],
                                                               nbytes)}, args)
@@ -269,7 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     raise RuntimeError("TCP peer closed")
                                 got += k
 
-                        secs, iters = _repeat(over_tcp, args)
+                        secs, iters = repeat(over_tcp, args)
                         row["tcp_contiguous"] = {"seconds": secs, "iters": iters,
                                                  "gb_per_s": nbytes / secs / 1e9}
                     row["nixl_over_memcpy"] = (row["nixl_contiguous"]["gb_per_s"]

@@ -30,7 +30,7 @@ import numpy as np
 
 from kvbridge.tools.bench.common import Child, load_average, progress, pyplot
 from kvbridge.tools.bench.report import goal_lines
-from kvbridge.tools.bench.transfer import _descs, _interleaved
+from kvbridge.tools.bench.timing import descs, interleaved
 
 KiB = 1024
 SUBNET = "198.18.20"  # a and b: .1 and .2 (inside the namespaces made here only)
@@ -210,8 +210,8 @@ def _measure(args: argparse.Namespace, agent: Any, remote: str, info: dict[str, 
     results = []
     for size in sizes:
         count = max(blocks)
-        rlist = agent.prep_xfer_dlist(remote, _descs(info["addr"], count, size), "DRAM")
-        llist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _descs(dst.data_ptr(), count, size),
+        rlist = agent.prep_xfer_dlist(remote, descs(info["addr"], count, size), "DRAM")
+        llist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs(dst.data_ptr(), count, size),
                                       "DRAM")
 
         def nixl_read(idx: np.ndarray, llist=llist, rlist=rlist) -> None:
@@ -245,7 +245,7 @@ def _measure(args: argparse.Namespace, agent: Any, remote: str, info: dict[str, 
                 want = (np.arange(off, off + size, dtype=np.int64) % 251).astype(np.uint8)
                 if not np.array_equal(dst.numpy()[off:off + size], want):
                     raise RuntimeError(f"READ n={n} B={size} over TCP: wrong bytes")
-            pair = _interleaved({"nixl": lambda idx=idx: nixl_read(idx),
+            pair = interleaved({"nixl": lambda idx=idx: nixl_read(idx),
                                  "tcp": lambda nbytes=nbytes: over_tcp(nbytes)}, args)
             row: dict[str, Any] = {
                 "block_bytes": size, "blocks": n, "bytes": nbytes,
