@@ -14,18 +14,14 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from kvbridge import __version__
-from kvbridge.config import (
-    MultiNodeConfig,
-    SideChannelConfig,
-    TLSConfig,
-    parse_cert_reqs,
-    read_token_file,
-)
+from kvbridge.config import SideChannelConfig, TLSConfig, parse_cert_reqs
 from kvbridge.errors import ConfigError, NodeError, WorkerError
 from kvbridge.extras import missing_extra_message
+from kvbridge.multinode import MultiNodeConfig
 from kvbridge.net import bind_socket, check_port_free
 from kvbridge.settings import SETTINGS, SIDE_CHANNEL_PORT_SETTING, ConnectionBudget, flag_label
 from kvbridge.settings.flags import add_flags, fill
+from kvbridge.tokens import read_token_file
 from kvbridge.tools.bench.cli import bench_parser, run_bench
 
 # The tree's settings each sub-command takes as flags (kvbridge/settings/tree.py).

@@ -5,12 +5,9 @@ Every setting is printed once at start-up by ``describe()`` (secrets redacted).
 
 from __future__ import annotations
 
-import re
 import ssl
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
@@ -20,11 +17,11 @@ from kvbridge.settings import (
     SETTINGS,
     SIDE_CHANNEL_PORT_SETTING,
     ConnectionBudget,
-    is_loopback,
     is_wildcard,
     name_label,
 )
 from kvbridge.settings.core import Label
+from kvbridge.tokens import read_named_tokens, read_token_file
 
 METHODS = HANDSHAKE_METHODS
 
@@ -36,11 +33,8 @@ DEFAULT_BLOCK_SIZE: int = SETTINGS["block_size"].default  # tokens per block
 DEFAULT_LEASE_SECONDS: float = SETTINGS["kv_lease_seconds"].default
 # decode: seconds a started READ may take (within the lease)
 DEFAULT_TRANSFER_TIMEOUT: float = SETTINGS["transfer_timeout"].default
-DEFAULT_NODE_TIMEOUT: float = SETTINGS["node_timeout"].default
 
-__all__ = ["SIDE_CHANNEL_PORT_SETTING", "TOKEN_SCOPES", "MultiNodeConfig", "NamedToken",
-           "SideChannelConfig", "TLSConfig", "parse_cert_reqs", "parse_tokens",
-           "read_named_tokens", "read_token_file"]
+__all__ = ["SIDE_CHANNEL_PORT_SETTING", "SideChannelConfig", "TLSConfig", "parse_cert_reqs"]
 
 
 @dataclass(frozen=True)
@@ -196,144 +190,12 @@ class SideChannelConfig:
         return out
 
 
-def _read_secret(path: str, what: str) -> str:
-    """The text of a secret file, refused when group or others may read it (or it is not
-    UTF-8: a ``ConfigError`` either way, never another exception)."""
-    p = Path(path)
-    try:
-        st = p.stat()
-        raw = p.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read {what} {path}: {e.strerror}") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"{what} {path} is readable by group or others "
-                          f"(mode {stat.S_IMODE(st.st_mode):o}): chmod 600 it")
-    try:
-        return raw.decode()
-    except UnicodeDecodeError:
-        raise ConfigError(f"{what} {path} is not UTF-8 text") from None
-
-
-def read_token_file(path: str) -> str:
-    text = _read_secret(path, "token file").strip()
-    if not text:
-        raise ConfigError(f"token file {path} is empty")
-    return text
-
-
-# What a named token may be used for. A ``tokens_file`` line without scopes has them all.
-TOKEN_SCOPES: tuple[str, ...] = ("metadata", "release", "prewarm")
-_TOKEN_NAME = re.compile(r"([A-Za-z0-9_.@-]{1,64})(?:\[([a-z,]*)\])?")
-
-
-@dataclass(frozen=True)
-class NamedToken:
-    """One ``tokens_file`` line: the token and what it may do (``TOKEN_SCOPES``)."""
-
-    token: str
-    scopes: frozenset[str] = frozenset(TOKEN_SCOPES)
-
-
-def _scopes(text: str | None, where: str) -> frozenset[str]:
-    if text is None:
-        return frozenset(TOKEN_SCOPES)
-    scopes = text.split(",")
-    unknown = [s for s in scopes if s not in TOKEN_SCOPES]
-    if unknown or len(set(scopes)) != len(scopes):
-        raise ConfigError(f"{where}: scopes must be distinct ones of {', '.join(TOKEN_SCOPES)}"
-                          f" (got {text[:64]!r})")
-    return frozenset(scopes)
-
-
-def parse_tokens(text: str, path: str) -> dict[str, NamedToken]:
-    """``NAME:TOKEN`` or ``NAME[SCOPE,...]:TOKEN`` lines (blank lines and ``#`` comments
-    skipped) -> {name: NamedToken}. Any line that is not one of these refuses the whole
-    file: a server then accepts no named token (it fails closed)."""
-    out: dict[str, NamedToken] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        head, sep, token = line.partition(":")
-        head, token = head.strip(), token.strip()
-        m = _TOKEN_NAME.fullmatch(head)
-        if not sep or m is None or not token:
-            raise ConfigError(f"{path}:{n}: expected NAME:TOKEN or NAME[SCOPE,...]:TOKEN "
-                              "(NAME of [A-Za-z0-9_.@-])")
-        name = m.group(1)
-        if name in out:
-            raise ConfigError(f"{path}:{n}: token name {name!r} appears twice")
-        out[name] = NamedToken(token, _scopes(m.group(2), f"{path}:{n}"))
-    if not out:
-        raise ConfigError(f"{path}: no NAME:TOKEN line")
-    return out
-
-
-def read_named_tokens(path: str) -> dict[str, NamedToken]:
-    """A ``tokens_file``: ``name -> NamedToken``. The side channel's ``authz`` re-reads it
-    when it changes; here so that a bad file fails when the settings are checked."""
-    return parse_tokens(_read_secret(path, "tokens file"), path)
-
-
 def parse_cert_reqs(value: str | int | None) -> int:
     """uvicorn's ``ssl_cert_reqs``: none/optional/required (or 0/1/2) -> ``ssl.VerifyMode``."""
     return int(ssl.CERT_NONE) if value is None else SETTINGS["ssl_cert_reqs"].parse(
         value, "ssl_cert_reqs")
 
 
-
-
-@dataclass(frozen=True)
-class MultiNodeConfig:
-    """Where this node sits in a multi-node instance (vLLM's flag names).
-
-    ``host``: this node's address as other nodes and peers reach it (its
-    ``--advertise-host``); gloo binds the interface that owns it.
-    ``node_timeout``: seconds to wait for every node to join (and for a silent
-    peer before it is declared gone).
-    """
-
-    nnodes: int
-    node_rank: int
-    master_addr: str
-    master_port: int
-    host: str
-    node_timeout: float = DEFAULT_NODE_TIMEOUT
-
-    def check(self, tp_size: int) -> None:
-        """Refuse a layout that cannot work, with one line saying what to change."""
-        if self.nnodes < 1:
-            raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
-        if tp_size % self.nnodes:
-            raise ConfigError(f"--tp {tp_size} is not a multiple of --nnodes {self.nnodes}: "
-                              "every node must hold the same number of ranks")
-        if not 0 < self.master_port < 65536:
-            raise ConfigError(f"--master-port {self.master_port} out of range")
-        if not self.master_addr:
-            raise ConfigError("--master-addr is required with --nnodes > 1")
-        if not 0 < self.node_timeout <= 3600:
-            raise ConfigError(f"--node-timeout must be in (0, 3600] seconds, got "
-                              f"{self.node_timeout}")
-        if is_loopback(self.host) and not is_loopback(self.master_addr):
-            raise ConfigError(f"this node's address {self.host!r} is a loopback address but "
-                              f"the head is at {self.master_addr!r}: set --advertise-host to "
-                              "an address the other nodes reach this one at")
-        if is_wildcard(self.host):
-            raise ConfigError(f"advertising the wildcard address {self.host!r} tells other "
-                              "nodes nothing: set --advertise-host to this node's address")
-
-    def ranks_per_node(self, tp_size: int) -> int:
-        return tp_size // self.nnodes
-
-    def local_ranks(self, tp_size: int) -> list[int]:
-        k = self.ranks_per_node(tp_size)
-        return list(range(self.node_rank * k, self.node_rank * k + k))
-
-    def remote_ranks(self, tp_size: int) -> list[int]:
-        """Ranks outside the head node: those reached through the control group."""
-        return list(range(self.ranks_per_node(tp_size), tp_size))
 
 
 # SideChannelConfig's settings: the tree's side-channel group, in field order.

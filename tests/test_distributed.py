@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-from kvbridge.config import MultiNodeConfig
 from kvbridge.engine.distributed import interface_of
 from kvbridge.engine.engine import build_engine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.workers import WorkerDiedError
+from kvbridge.multinode import MultiNodeConfig
 from kvbridge.tools.launch import free_port
 from tests.conftest import ROOT
 from tests.helpers import wait_until

@@ -17,10 +17,11 @@ from cryptography.x509.oid import NameOID, ObjectIdentifier
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.config import TOKEN_SCOPES, NamedToken, SideChannelConfig, parse_tokens
+from kvbridge.config import SideChannelConfig
 from kvbridge.errors import ConfigError
 from kvbridge.handshake import make_server
 from kvbridge.handshake.authz import Authorizer, PeerAllowList, TokenSet, cert_identities
+from kvbridge.tokens import TOKEN_SCOPES, NamedToken, parse_tokens
 from kvbridge.tools.testing.certs import issue, issue_with_names, new_ca
 from tests.helpers import full_store
 

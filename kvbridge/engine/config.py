@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kvbridge.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS, MultiNodeConfig
+from kvbridge.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS
+from kvbridge.multinode import MultiNodeConfig
 from kvbridge.settings import KV_LOAD_FAILURE_POLICIES
 
 

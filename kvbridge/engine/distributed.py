@@ -28,8 +28,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from kvbridge.config import MultiNodeConfig
 from kvbridge.errors import NodeError
+from kvbridge.multinode import MultiNodeConfig
 
 __all__ = ["MultiNodeConfig", "call_everywhere", "init_rank", "interface_of", "rendezvous_store",
            "serve_remote"]

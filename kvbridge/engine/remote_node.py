@@ -20,11 +20,11 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from kvbridge.config import MultiNodeConfig
 from kvbridge.engine import distributed
 from kvbridge.engine.model_runner import ModelRunner, WorkerConnectorFactory
 from kvbridge.engine.workers import GLOO_TIMEOUT, exit_rank, resolve_method, watch_head
 from kvbridge.errors import NodeError
+from kvbridge.multinode import MultiNodeConfig
 
 logger = logging.getLogger(__name__)
 

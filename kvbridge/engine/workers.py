@@ -45,11 +45,11 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from kvbridge.config import MultiNodeConfig
 from kvbridge.engine import distributed
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.model_runner import ModelRunner, WorkerConnectorFactory
 from kvbridge.errors import NodeError, WorkerDiedError, WorkerError
+from kvbridge.multinode import MultiNodeConfig
 from kvbridge.net import free_port
 
 logger = logging.getLogger(__name__)

@@ -30,16 +30,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.config import (
+from kvbridge.config import SideChannelConfig
+from kvbridge.errors import ConfigError
+from kvbridge.handshake.audit import AuditLog
+from kvbridge.tokens import (
     TOKEN_SCOPES,
     NamedToken,
-    SideChannelConfig,
     parse_tokens,
     read_named_tokens,
     read_token_file,
 )
-from kvbridge.errors import ConfigError
-from kvbridge.handshake.audit import AuditLog
 from kvbridge.trust import label_glob
 
 __all__ = ["TOKEN_SCOPES", "AuditLog", "Authorizer", "Decision", "NamedToken", "PeerAllowList",

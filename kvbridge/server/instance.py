@@ -29,7 +29,6 @@ from kvbridge.config import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_NUM_BLOCKS,
     DEFAULT_TRANSFER_TIMEOUT,
-    MultiNodeConfig,
     SideChannelConfig,
     TLSConfig,
 )
@@ -45,6 +44,7 @@ from kvbridge.limits import decode_json_body, read_json_body
 from kvbridge.metadata import compat_of, decode_rank
 from kvbridge.metrics import CONTENT_TYPE, Metrics
 from kvbridge.model.loader import load_config, resolve_dtype
+from kvbridge.multinode import MultiNodeConfig
 from kvbridge.openai.responses import error_response
 from kvbridge.server.api import build_app
 from kvbridge.settings import ROLES

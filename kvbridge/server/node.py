@@ -14,8 +14,9 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from kvbridge.config import MultiNodeConfig, SideChannelConfig
+from kvbridge.config import SideChannelConfig
 from kvbridge.engine.remote_node import run_node
+from kvbridge.multinode import MultiNodeConfig
 
 log = logging.getLogger(__name__)
 
