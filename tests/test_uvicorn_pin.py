@@ -1,4 +1,4 @@
-"""kvbridge/guard.py, kvbridge/bounded_http.py (and the side channel's HeadLimitedHttpTools)
+"""kvbridge/guard/protocol.py, kvbridge/bounded_http.py (and the side channel's HeadLimitedHttpTools)
 drive uvicorn through state uvicorn does not publish: the httptools protocol's ``cycle``,
 ``pipeline``, ``connections``, ``timeout_keep_alive_task``, ``flow`` (its ``FlowControl``,
 replaced by a subclass), ``_start_asgi_task``, its parser callbacks, and ``Server.startup``
@@ -34,8 +34,8 @@ FLOW_STATE = ("read_paused", "write_paused", "_transport")
 
 
 def _changed(what: list[str]) -> str:
-    return (f"uvicorn {uvicorn.__version__} changed what kvbridge/guard.py drives through its "
-            f"private state: {', '.join(what)}. Check guard.py (and handshake/http_protocol.py) "
+    return (f"uvicorn {uvicorn.__version__} changed what kvbridge/guard/protocol.py drives through its "
+            f"private state: {', '.join(what)}. Check guard/protocol.py (and handshake/http/protocol.py) "
             "against this uvicorn before moving the pin in pyproject.toml.")
 
 
@@ -43,7 +43,7 @@ def test_the_installed_uvicorn_is_in_the_pinned_range():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     (req,) = [Requirement(d) for d in deps if re.match(r"uvicorn\b", d)]
     assert req.specifier and any(s.operator == "<" for s in req.specifier), (
-        f"pyproject.toml: {req} has no upper bound, but guard.py drives uvicorn's private state")
+        f"pyproject.toml: {req} has no upper bound, but guard/protocol.py drives uvicorn's private state")
     assert req.specifier.contains(uvicorn.__version__), (
         f"uvicorn {uvicorn.__version__} is outside the pinned {req}")
 

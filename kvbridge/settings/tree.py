@@ -165,7 +165,7 @@ SETTINGS = Tree([
         "KVBRIDGE_SIDE_CHANNEL_KEEP_ALIVE_TIMEOUT", flag="--side-channel-keep-alive-timeout",
         low=0.0, high=_SEC, low_open=True),
 
-    # -- connection budgets of every server of a process (kvbridge/guard.py) ---------------
+    # -- connection budgets of every server of a process (kvbridge/guard/) ---------------
     Setting("max_connections", int, 1024,
             "Connections one server keeps. At the cap, the connection idle the longest (no "
             "request in flight) is closed for the new one; connections serving a request are "
