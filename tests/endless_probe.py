@@ -95,7 +95,7 @@ def answer() -> None:
 
 def watch() -> None:
     from kvbridge.errors import RegistryError
-    from kvbridge.registry.etcd import EtcdEndpoint, EtcdRegistry
+    from kvbridge.registry.etcd_client import EtcdEndpoint, EtcdRegistry
 
     server = _listener()
 

@@ -9,7 +9,7 @@ import pytest
 from kvbridge.config import SideChannelConfig
 from kvbridge.connector.aggregator import LoadAggregator, SendAggregator
 from kvbridge.connector.messages import WorkerOutput, decode_notif, encode_notif
-from kvbridge.connector.scheduler import NixlSchedulerConnector, lease_margin
+from kvbridge.connector.scheduler_side import NixlSchedulerConnector, lease_margin
 from kvbridge.errors import InvalidKVTransferParams
 from kvbridge.kv_tags import block_tags
 from kvbridge.params import KVTransferParams

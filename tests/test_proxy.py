@@ -737,10 +737,10 @@ def test_request_closed_unanswered_is_sent_once_more(serve: Serve, variant: str,
 def test_a_release_closed_unanswered_is_sent_once_more() -> None:
     """A release on a reused connection the prefill closes unanswered reaches it after
     all (the lease would otherwise hold the blocks)."""
+    from kvbridge.proxy.background_tasks import TaskSet
     from kvbridge.proxy.engine_client import EngineClient
     from kvbridge.proxy.metrics import ProxyMetrics
     from kvbridge.proxy.release import Releaser
-    from kvbridge.proxy.tasks import TaskSet
 
     async def main(url: str) -> bytes:
         engines = EngineClient(True, httpx.Timeout(5.0))

@@ -318,7 +318,7 @@ def test_serve_bad_registry_is_a_config_error(tmp_path):
 def test_registry_over_tls_with_client_certificates(certs, tmp_path):
     """etcds:// with the CA and a client certificate works; without the certificate etcd
     refuses, and a plaintext client gets nowhere."""
-    from kvbridge.tools.testing.etcd import EtcdProcess, EtcdTLS
+    from kvbridge.tools.testing.etcd_server import EtcdProcess, EtcdTLS
 
     tls = EtcdTLS(
         str(certs / "ca.pem"),

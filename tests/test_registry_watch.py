@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvbridge.errors import RegistryError
 from kvbridge.proxy import build_proxy_app
-from kvbridge.registry.etcd import MAX_WATCH_MESSAGE, EtcdEndpoint, EtcdRegistry
+from kvbridge.registry.etcd_client import MAX_WATCH_MESSAGE, EtcdEndpoint, EtcdRegistry
 from kvbridge.registry.record import InstanceRecord, instance_key
 from tests.helpers import RawServer, wait_until
 from tests.raw_engine import read_request

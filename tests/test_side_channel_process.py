@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge import background
+from kvbridge import supervised
 from kvbridge.config import SideChannelConfig
 from kvbridge.errors import AuthError, ConfigError
 from kvbridge.guard import ConnectionBudget, GuardCollector
@@ -225,19 +225,19 @@ def test_a_killed_child_is_restarted_and_seen_down_meanwhile() -> None:
         first = server.pid
         assert first is not None and server.problem is None
         os.kill(first, signal.SIGKILL)
-        # down: the instance's /health names it (background.down), until the restart
-        reason = wait_until(lambda: "exited" in (r := background.down().get(
+        # down: the instance's /health names it (supervised.down), until the restart
+        reason = wait_until(lambda: "exited" in (r := supervised.down().get(
             "kvbridge-side-channel", "")) and r, 10, "the side channel seen down")
         assert f"process {first} exited with signal 9" in reason
         wait_until(lambda: server.problem is None and server.pid not in (None, first), 10,
                    "a new child serving")
         assert server.restarts == 1
         assert get(server.port, "/v1/kv/handshake")[0] == 200
-        assert "kvbridge-side-channel" not in background.down()
+        assert "kvbridge-side-channel" not in supervised.down()
 
 
 def _side_channel_down() -> str | None:
-    return background.down().get("kvbridge-side-channel")
+    return supervised.down().get("kvbridge-side-channel")
 
 
 def test_a_stopped_child_is_down_until_it_answers_again() -> None:

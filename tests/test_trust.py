@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvbridge import background
+from kvbridge import supervised
 from kvbridge.config import SideChannelConfig, TLSConfig
 from kvbridge.errors import AuthError, ConfigError, HandshakeError, RegistryError
 from kvbridge.handshake import make_client, make_server
@@ -52,7 +52,7 @@ def _rec(engine_id: str, role: str, url: str, compat_hash: str = "h") -> Instanc
 
 
 def _ignored(reason: str) -> int:
-    return background.ignored_counts().get(("registry", reason), 0)
+    return supervised.ignored_counts().get(("registry", reason), 0)
 
 
 @pytest.fixture
@@ -88,10 +88,10 @@ def test_bad_keys_and_records_under_the_instances_prefix_are_ignored(etcd, membe
     _wait(lambda: router.urls("decode") == [d.api_url], 10, "a record after the bad key")
     assert _ignored("key_not_utf8") >= bad_keys + 2
     assert _ignored("oversized") == oversized + 1
-    assert m.connected.is_set() and background.down() == {}
+    assert m.connected.is_set() and supervised.down() == {}
     # and in the metrics
     r = CollectorRegistry()
-    r.register(background.BackgroundCollector())
+    r.register(supervised.BackgroundCollector())
     text = generate_latest(r).decode()
     assert 'kvbridge_ignored_inputs_total{reason="key_not_utf8",source="registry"}' in text
 
@@ -163,7 +163,7 @@ def test_the_membership_thread_survives_an_unexpected_error(etcd, membership, ca
 
     router.on_added = on_added
     m.start()
-    with caplog.at_level(logging.ERROR, logger="kvbridge.background"):
+    with caplog.at_level(logging.ERROR, logger="kvbridge.supervised"):
         a = _rec("d0", "decode", "http://127.0.0.1:21")
         reg.put(instance_key(a), a.encode())
         _wait(lambda: calls, 10, "the failing callback")
@@ -186,18 +186,18 @@ def test_a_failing_thread_is_down_while_it_waits_and_logged_once(caplog):
             raise ValueError("broken")
         stop.wait()
 
-    with caplog.at_level(logging.DEBUG, logger="kvbridge.background"):
-        t = background.Supervised("kvbridge-test-loop", loop, stop).start()
+    with caplog.at_level(logging.DEBUG, logger="kvbridge.supervised"):
+        t = supervised.Supervised("kvbridge-test-loop", loop, stop).start()
         try:
-            wait_until(lambda: "kvbridge-test-loop" in background.down(), 10, "down")
-            assert background.down()["kvbridge-test-loop"] == "ValueError: broken"
+            wait_until(lambda: "kvbridge-test-loop" in supervised.down(), 10, "down")
+            assert supervised.down()["kvbridge-test-loop"] == "ValueError: broken"
             r = CollectorRegistry()
-            r.register(background.BackgroundCollector())
+            r.register(supervised.BackgroundCollector())
             assert 'kvbridge_background_thread_up{thread="kvbridge-test-loop"} 0.0' in \
                 generate_latest(r).decode()
             wait_until(lambda: len(runs) >= 3, 10, "restarted with backoff")
             healthy.set()
-            wait_until(lambda: "kvbridge-test-loop" not in background.down(), 10, "up again")
+            wait_until(lambda: "kvbridge-test-loop" not in supervised.down(), 10, "up again")
             assert t.is_alive() and t.restarts >= 2
         finally:
             stop.set()
@@ -234,7 +234,7 @@ def test_a_bad_key_under_the_handshake_prefix_does_not_stop_the_watch(etcd):
                   "the prefill's metadata delivered by the watch")
             if bad is not None:  # and one arriving on the watch
                 _put_raw(etcd, bad, b"x")
-        assert background.down() == {}
+        assert supervised.down() == {}
     finally:
         for server in servers:
             server.stop()

@@ -20,12 +20,12 @@ import logging
 import threading
 import time
 
-from kvbridge.background import Supervised
 from kvbridge.errors import RegistryError, RetryableHandshakeError
 from kvbridge.handshake.base import HandshakeClient, HandshakeServer, MetadataStore, Reply
 from kvbridge.metadata import DEFAULT_MAX_MESSAGE_BYTES, Compat
 from kvbridge.net import free_port
-from kvbridge.registry.etcd import DEFAULT_TTL, EtcdEndpoint, EtcdRegistry
+from kvbridge.registry.etcd_client import DEFAULT_TTL, EtcdEndpoint, EtcdRegistry
+from kvbridge.supervised import Supervised
 
 log = logging.getLogger(__name__)
 

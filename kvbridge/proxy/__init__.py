@@ -16,7 +16,7 @@ Modules (each imports only the ones above it in this list, and never this packag
 * ``membership``     the view of the etcd registry (watch, probe, add/remove)
 * ``engine_client``  the client to engines: TLS, URL checks, error answers
 * ``metrics``        the proxy's Prometheus metrics
-* ``tasks``          background tasks that shutdown waits for
+* ``background_tasks`` background tasks that shutdown waits for
 * ``rewrite``        the one-token prefill body, hop-by-hop headers
 * ``relay``          the decode's stream to the client
 * ``release``        freeing a prefill's hold

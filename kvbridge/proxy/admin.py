@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvbridge import background
+from kvbridge import supervised
 from kvbridge.errors import ConfigError
 from kvbridge.proxy.engine_client import HEALTH_TIMEOUT, EngineClient, proxy_error
 from kvbridge.proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
@@ -91,7 +91,7 @@ class AdminRoutes:
             view["registry"] = {"url": m.registry.endpoint.url, **m.staleness(),
                                 "reads": m.registry.reads, "writes": m.registry.writes,
                                 "events": m.events}
-        view["background_down"] = background.down()  # supervised threads waiting to restart
+        view["background_down"] = supervised.down()  # supervised threads waiting to restart
         return JSONResponse(view)
 
     async def render_metrics(self, request: Request) -> Response:

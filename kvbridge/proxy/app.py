@@ -15,10 +15,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvbridge import background
+from kvbridge import supervised
 from kvbridge.guard import ConnectionBudget, GuardedServer, guarded_config
 from kvbridge.limits import MAX_ANSWER_BYTES
 from kvbridge.proxy.admin import AdminRoutes
+from kvbridge.proxy.background_tasks import TaskSet
 from kvbridge.proxy.engine_client import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_TIMEOUT,
@@ -35,11 +36,10 @@ from kvbridge.proxy.prewarm import Prewarmer
 from kvbridge.proxy.release import Releaser
 from kvbridge.proxy.rewrite import CHAT, COMPLETIONS, PassedOnHeaders
 from kvbridge.proxy.routing import Router
-from kvbridge.proxy.tasks import TaskSet
 
 if TYPE_CHECKING:  # the registry needs the ``fleet`` extra: imported only when used
     from kvbridge.proxy.membership import Membership
-    from kvbridge.registry.etcd import EtcdEndpoint
+    from kvbridge.registry.etcd_client import EtcdEndpoint
 
 __all__ = ["Proxy", "build_proxy_app", "run_proxy"]
 
@@ -111,7 +111,7 @@ class Proxy:
         )
 
     async def health(self, request: Request) -> Response:
-        if stopped := background.down():
+        if stopped := supervised.down():
             return JSONResponse({"status": "degraded", "background_down": stopped},
                                 status_code=503)
         return JSONResponse({"status": "ok"})
@@ -170,7 +170,7 @@ def build_proxy_app(
     membership = None
     if registry is not None:
         from kvbridge.proxy.membership import Membership
-        from kvbridge.registry.etcd import EtcdRegistry
+        from kvbridge.registry.etcd_client import EtcdRegistry
 
         membership = Membership(EtcdRegistry(registry), router, verify=verify)
     proxy = Proxy(router, EngineClient(verify, httpx.Timeout(timeout, connect=connect_timeout),

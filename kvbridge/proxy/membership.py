@@ -13,7 +13,7 @@ ignored and counted (``kvbridge_ignored_inputs_total``). An instance's view come
 oldest record naming its URL, by etcd's creation revision of its key (not by key order,
 nor by which the proxy saw first): a record created later naming the same URL does not
 rewrite it, and when the oldest goes the view comes from the next. The thread is supervised
-(``kvbridge.background``): an unexpected error restarts it, with backoff.
+(``kvbridge.supervised``): an unexpected error restarts it, with backoff.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import time
 import httpx
 import msgspec
 
-from kvbridge.background import Supervised, ignored
 from kvbridge.errors import RegistryError, WatchCompacted
 from kvbridge.proxy.routing import Backend, Router
-from kvbridge.registry.etcd import Entry, EtcdRegistry
+from kvbridge.registry.etcd_client import Entry, EtcdRegistry
 from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord, instance_key
+from kvbridge.supervised import Supervised, ignored
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from kvbridge import background
+from kvbridge import supervised
 from kvbridge.guard import GuardCollector
 
 __all__ = ["CONTENT_TYPE_LATEST", "ProxyMetrics"]
@@ -33,7 +33,7 @@ class ProxyMetrics:
             "kvbridge_proxy_prewarm_failures",
             "Decode/prefill pairs whose prewarm failed, by reason", ["reason"], registry=r)
         r.register(GuardCollector())  # the proxy server's connection budget
-        r.register(background.BackgroundCollector())
+        r.register(supervised.BackgroundCollector())
         self.releases = Counter("kvbridge_proxy_kv_releases",
                                 "Prefill holds released after a failed decode hop, by outcome",
                                 ["outcome"], registry=r)

@@ -10,11 +10,11 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvbridge.proxy.background_tasks import TaskSet
 from kvbridge.proxy.engine_client import EngineClient, dumps
 from kvbridge.proxy.metrics import ProxyMetrics
 from kvbridge.proxy.rewrite import COMPLETIONS, prefill_body
 from kvbridge.proxy.routing import Backend, Router
-from kvbridge.proxy.tasks import TaskSet
 
 __all__ = ["PREWARM_WINDOW", "Prewarmer"]
 

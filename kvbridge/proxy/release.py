@@ -18,9 +18,9 @@ import httpx
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvbridge.proxy.background_tasks import TaskSet
 from kvbridge.proxy.engine_client import HEALTH_TIMEOUT, EngineClient, dumps
 from kvbridge.proxy.metrics import ProxyMetrics
-from kvbridge.proxy.tasks import TaskSet
 from kvbridge.proxy.upstream import send_retrying_once
 
 __all__ = ["Hold", "HoldingResponse", "Releaser"]

@@ -4,10 +4,10 @@
 ``Registrar`` keeps one instance's record alive; ``EtcdRegistry.watch_prefix`` feeds a live
 view (``kvbridge.proxy.membership``).
 
-Modules: ``record`` (an instance's record and its key, strict), ``etcd`` (the etcd v3
+Modules: ``record`` (an instance's record and its key, strict), ``etcd_client`` (the etcd v3
 client through the gRPC gateway: lease, put, range, a watch that reports compaction),
 ``registrar`` (``Registrar``: one instance's record kept under a lease). A throw-away etcd
-for tests is ``kvbridge.tools.testing.etcd``.
+for tests is ``kvbridge.tools.testing.etcd_server``.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvbridge.registry.etcd import EtcdEndpoint, EtcdRegistry, parse_registry_url
+    from kvbridge.registry.etcd_client import EtcdEndpoint, EtcdRegistry, parse_registry_url
     from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord, instance_key
     from kvbridge.registry.registrar import Registrar
 
 # Each name loads its module on first use: ``record`` alone (the plug-in's registration
-# record) must not import ``etcd`` and so etcd3gw, the fleet extra.
+# record) must not import ``etcd_client`` and so etcd3gw, the fleet extra.
 _MODULES = {
-    "EtcdEndpoint": "etcd", "EtcdRegistry": "etcd", "parse_registry_url": "etcd",
+    "EtcdEndpoint": "etcd_client", "EtcdRegistry": "etcd_client",
+    "parse_registry_url": "etcd_client",
     "INSTANCES_PREFIX": "record", "InstanceRecord": "record", "instance_key": "record",
     "Registrar": "registrar",
 }

@@ -10,10 +10,10 @@ from collections.abc import Callable
 import msgspec
 from etcd3gw.lease import Lease
 
-from kvbridge.background import Supervised
 from kvbridge.errors import ConfigError, RegistryError
-from kvbridge.registry.etcd import DEFAULT_OP_TIMEOUT, DEFAULT_TTL, EtcdRegistry
+from kvbridge.registry.etcd_client import DEFAULT_OP_TIMEOUT, DEFAULT_TTL, EtcdRegistry
 from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord, instance_key
+from kvbridge.supervised import Supervised
 
 log = logging.getLogger(__name__)
 

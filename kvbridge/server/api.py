@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvbridge import background
+from kvbridge import supervised
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.errors import (
@@ -115,7 +115,7 @@ class _API:
         if not self.engine.is_running:
             return error_response(503, f"engine is not running: {self.engine.dead_reason}",
                                   type_="server_error", code="engine_not_running")
-        if stopped := background.down():  # a supervised thread failed; restarting it
+        if stopped := supervised.down():  # a supervised thread failed; restarting it
             return JSONResponse({"status": "degraded", "background_down": stopped},
                                 status_code=503)
         return JSONResponse({"status": "ok"})

@@ -33,8 +33,8 @@ from kvbridge.config import (
     TLSConfig,
 )
 from kvbridge.connector.messages import PeerSpec
-from kvbridge.connector.scheduler import NixlSchedulerConnector
-from kvbridge.connector.worker import NixlWorkerConnectorFactory
+from kvbridge.connector.scheduler_side import NixlSchedulerConnector
+from kvbridge.connector.worker_side import NixlWorkerConnectorFactory
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.engine import build_engine
 from kvbridge.errors import ConfigError, KVBridgeError, RequestError

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from kvbridge.metadata import compat_hash
 from kvbridge.net import url_host
-from kvbridge.registry.etcd import EtcdEndpoint, EtcdRegistry
+from kvbridge.registry.etcd_client import EtcdEndpoint, EtcdRegistry
 from kvbridge.registry.record import InstanceRecord
 from kvbridge.registry.registrar import Registrar
 from kvbridge.settings import is_wildcard

@@ -23,7 +23,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from kvbridge.vllm.payload import log
+from kvbridge.vllm.nixl_payload import log
 
 
 @contextlib.contextmanager

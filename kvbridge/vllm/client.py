@@ -18,7 +18,7 @@ from vllm.platforms import current_platform
 
 from kvbridge.handshake.base import FetchedPayloads, HandshakeClient, Rank
 from kvbridge.handshake.factory import make_client
-from kvbridge.vllm.payload import PAYLOAD_KIND, agent_decoder, log, payload_decoder
+from kvbridge.vllm.nixl_payload import PAYLOAD_KIND, agent_decoder, log, payload_decoder
 from kvbridge.vllm.settings import PluginSettings
 
 

@@ -5,9 +5,9 @@ vLLM keeps its NIXL agent and data path, block management, heterogeneous-TP rank
 selection, compatibility-hash check, load-failure policy and ``vllm:nixl_*`` metrics. What
 changes (every override is listed in docs/vllm.md §5 with its reason):
 
-* scheduler (kvbridge/vllm/scheduler.py): kvbridge's side-channel server in place of vLLM's
+* scheduler (kvbridge/vllm/scheduler_side.py): kvbridge's side-channel server in place of vLLM's
   listener, its registration in etcd, the block tags each step writes, and a key per hold;
-* worker (kvbridge/vllm/worker.py): the handshake through kvbridge's client followed by
+* worker (kvbridge/vllm/worker_side.py): the handshake through kvbridge's client followed by
   vLLM's own checks, the block tags kept and READ (kvbridge/vllm/validation.py), and
   hold keys on READ-done notes (kvbridge/vllm/holds.py);
 * connector (here): ``__init__`` builds those two instead of the stock ones (one NIXL agent
@@ -31,8 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 
 from kvbridge.errors import ConfigError
-from kvbridge.vllm.guards import refuse_unguarded
-from kvbridge.vllm.payload import (
+from kvbridge.vllm.nixl_payload import (
     PAYLOAD_KIND,
     WAKE_UP_REPUBLISHES,
     describe_payload,
@@ -40,9 +39,10 @@ from kvbridge.vllm.payload import (
     plugin_settings,
 )
 from kvbridge.vllm.push import KVBridgePushScheduler, KVBridgePushWorker
-from kvbridge.vllm.scheduler import KVBridgeScheduler
+from kvbridge.vllm.refusals import refuse_unguarded
+from kvbridge.vllm.scheduler_side import KVBridgeScheduler
 from kvbridge.vllm.stats import KVBridgePromMetrics, KVBridgeStats
-from kvbridge.vllm.worker import KVBridgeWorker
+from kvbridge.vllm.worker_side import KVBridgeWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -19,7 +19,7 @@ import msgspec
 from kvbridge.handshake.base import HandshakeServer
 from kvbridge.handshake.payloads import PayloadStore, Rank
 from kvbridge.handshake.process.parent import side_channel
-from kvbridge.vllm.payload import PAYLOAD_KIND, describe_payload, log, payload_decoder
+from kvbridge.vllm.nixl_payload import PAYLOAD_KIND, describe_payload, log, payload_decoder
 from kvbridge.vllm.settings import PluginSettings
 
 

@@ -31,7 +31,7 @@ from kvbridge.vllm.affinity import kept_affinity
 from kvbridge.vllm.client import SideChannelHandshake
 from kvbridge.vllm.holds import KEY_PARAM, KeyedAgent, new_key
 from kvbridge.vllm.listener import SideChannelListener
-from kvbridge.vllm.payload import log
+from kvbridge.vllm.nixl_payload import log
 from kvbridge.vllm.pushreg import PUSH_REG_PREFIX, registration
 from kvbridge.vllm.settings import PluginSettings
 from kvbridge.vllm.stats import KVBridgeStats
@@ -112,7 +112,7 @@ class KVBridgePushWorker(SideChannelHandshake, NixlPushConnectorWorker):
     def __init__(self, vllm_config: VllmConfig, engine_id: str,
                  kv_cache_config: KVCacheConfig, settings: PluginSettings):
         # As the pull worker: NIXL's progress thread sleeps between polls, and the
-        # forward's thread keeps its cores (kvbridge/vllm/worker.py).
+        # forward's thread keeps its cores (kvbridge/vllm/worker_side.py).
         with progress_delay(nixl_module()), kept_affinity():
             super().__init__(vllm_config, engine_id, kv_cache_config)
         self._kvbridge_client_init(settings)

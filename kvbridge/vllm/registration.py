@@ -76,7 +76,7 @@ def instance_record(reg: RegistrationSettings, side: SideChannelConfig, *, engin
 def start_registration(reg: RegistrationSettings, side: SideChannelConfig,
                        record: InstanceRecord):  # -> Registrar (the fleet extra)
     """Register ``record`` under a lease and keep it alive (a thread) until ``deregister``."""
-    from kvbridge.registry.etcd import EtcdRegistry
+    from kvbridge.registry.etcd_client import EtcdRegistry
     from kvbridge.registry.registrar import Registrar
 
     return Registrar(EtcdRegistry(side.registry_endpoint), lambda: record, reg.ttl).start()

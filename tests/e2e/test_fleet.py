@@ -20,7 +20,7 @@ from kvbridge.proxy.routing import DEFAULT_COOLDOWN
 from kvbridge.registry import INSTANCES_PREFIX, EtcdRegistry, InstanceRecord, parse_registry_url
 from kvbridge.tools.bench.load import ClosedLoop
 from kvbridge.tools.launch import KVBridgeProcess, free_port
-from kvbridge.tools.testing.etcd import EtcdProcess
+from kvbridge.tools.testing.etcd_server import EtcdProcess
 from tests.conftest import ROOT
 from tests.e2e.conftest import PROMPTS, START_TIMEOUT, Serve, complete
 from tests.helpers import wait_until

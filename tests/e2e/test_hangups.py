@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from kvbridge.tools.launch import KVBridgeProcess, free_port
-from kvbridge.tools.testing.etcd import EtcdProcess
+from kvbridge.tools.testing.etcd_server import EtcdProcess
 from tests.conftest import ROOT
 from tests.e2e.conftest import START_TIMEOUT, Serve
 from tests.helpers import wait_until

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvbridge.connector.scheduler import lease_margin
+from kvbridge.connector.scheduler_side import lease_margin
 from kvbridge.proxy import build_proxy_app
 from kvbridge.tools.testing.api_server import BackgroundServer
 from tests.e2e.conftest import PROMPTS, Serve, complete, free_port, start_all

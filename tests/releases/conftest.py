@@ -57,6 +57,11 @@ class Zygote:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath),
                "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false",
                "OPENBLAS_NUM_THREADS": "1"}
+        if path is not None:
+            # Its own cache: every release writes the model's inspection under one file
+            # name, so sharing the environment's would make each vLLM re-inspect (a whole
+            # vLLM import in a subprocess) after another ran.
+            env["VLLM_CACHE_ROOT"] = str(path / ".vllm-cache")
         self.socket = str(log_dir / f"zygote-{release}.sock")
         self.log_path = log_dir / f"zygote-{release}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.tools.testing.certs import write_certs
-from kvbridge.tools.testing.etcd import EtcdProcess
+from kvbridge.tools.testing.etcd_server import EtcdProcess
 from tests.releases.conftest import Node, start_nodes
 from tests.releases.node import NUM_KV_HEADS
 from tests.releases.pd import (

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from kvbridge.tools.testing.certs import write_certs
-from kvbridge.tools.testing.etcd import EtcdProcess
+from kvbridge.tools.testing.etcd_server import EtcdProcess
 from tests.releases.conftest import Node, start_nodes
 from tests.releases.test_plugin_on_releases import (
     BLOCK,

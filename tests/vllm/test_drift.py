@@ -76,7 +76,7 @@ def test_a_new_check_on_the_name_is_named() -> None:
     _, problems = drift(tree)
     assert problems == [
         f"vLLM {minor_version(tree)}: a check on the name NixlConnector at "
-        "config/vllm.py:VllmConfig._new_check is new: see kvbridge/vllm/guards.py and "
+        "config/vllm.py:VllmConfig._new_check is new: see kvbridge/vllm/refusals.py and "
         "docs/vllm.md"]
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.vllm.guards import refuse_unguarded
+from kvbridge.vllm.refusals import refuse_unguarded
 
 pytest.importorskip("vllm")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.tools.launch import free_port
-from kvbridge.tools.testing.etcd import EtcdProcess
+from kvbridge.tools.testing.etcd_server import EtcdProcess
 from kvbridge.tools.vllm.launch import VllmServer, decode, prefill
 from tests.helpers import wait_until
 from tests.vllm.conftest import (

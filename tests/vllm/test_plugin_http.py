@@ -20,7 +20,7 @@ import pytest
 from kvbridge.errors import ConfigError
 from kvbridge.net import listen_socket
 from kvbridge.tools.launch import KVBridgeProcess, free_port, read_metric
-from kvbridge.tools.testing.etcd import EtcdProcess
+from kvbridge.tools.testing.etcd_server import EtcdProcess
 from kvbridge.tools.testing.procfs import gone, group_processes, listening, status_field
 from kvbridge.tools.vllm.launch import VllmServer, decode, pd_text, prefill
 from tests.helpers import wait_until

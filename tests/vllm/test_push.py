@@ -104,7 +104,7 @@ def forger(servers: tuple[VllmServer, VllmServer], certs: Path, token_file: Path
 
     from kvbridge.handshake.factory import make_client
     from kvbridge.handshake.payloads import fetch_payloads
-    from kvbridge.vllm.payload import PAYLOAD_KIND
+    from kvbridge.vllm.nixl_payload import PAYLOAD_KIND
     from kvbridge.vllm.settings import load_settings
 
     p, _ = servers

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.registry.etcd import EtcdRegistry, parse_registry_url
+from kvbridge.registry.etcd_client import EtcdRegistry, parse_registry_url
 from kvbridge.registry.record import INSTANCES_PREFIX, InstanceRecord
 from kvbridge.vllm.registration import instance_record, start_registration
 from kvbridge.vllm.settings import load_settings

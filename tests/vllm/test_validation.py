@@ -155,7 +155,7 @@ def _forger(p: VllmServer) -> tuple[Any, str]:
     from kvbridge.config import SideChannelConfig
     from kvbridge.handshake.factory import make_client
     from kvbridge.handshake.payloads import fetch_payloads
-    from kvbridge.vllm.payload import PAYLOAD_KIND
+    from kvbridge.vllm.nixl_payload import PAYLOAD_KIND
 
     client = make_client(SideChannelConfig(handshake_method="http"), None)
     try:

@@ -14,7 +14,7 @@ pause of one is felt by the other.
   instance restarted at once on the same ports (an etcd child, with no port, gets SIGTERM
   and revokes its record). Should that fail, its control socket reaches end of file and
   it stops by itself.
-* A child that dies is restarted with backoff by ``kvbridge.background.Supervised``; while
+* A child that dies is restarted with backoff by ``kvbridge.supervised.Supervised``; while
   it waits, while a child starts, and while a serving child's loop answers no liveness
   ping over the control socket for ``LIVENESS_TIMEOUT`` (stopped, hung, flooded; pinged
   every ``PING_INTERVAL`` when there is a health to follow), ``problem`` says why,
@@ -39,7 +39,6 @@ import time
 from collections.abc import Callable
 
 from kvbridge import errors
-from kvbridge.background import Supervised
 from kvbridge.config import SIDE_CHANNEL_PORT_SETTING, SideChannelConfig
 from kvbridge.errors import SideChannelError
 from kvbridge.guard import GuardMirror
@@ -47,6 +46,7 @@ from kvbridge.handshake.base import HandshakeServer, MetadataStore, Observer
 from kvbridge.handshake.factory import Wire, make_server
 from kvbridge.handshake.process.control import Channel, ServerSpec
 from kvbridge.net import listen_socket
+from kvbridge.supervised import Supervised
 
 __all__ = ["SideChannelProcess", "side_channel"]
 

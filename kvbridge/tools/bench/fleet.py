@@ -94,7 +94,7 @@ def _poll(cond, timeout: float, what: str, every: float = 0.01) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kvbridge.tools.testing.etcd import EtcdProcess
+    from kvbridge.tools.testing.etcd_server import EtcdProcess
 
     apply_quick(args, QUICK)
     env = {**os.environ}

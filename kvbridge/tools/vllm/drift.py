@@ -6,7 +6,7 @@ importing vLLM), parsed with ``ast``, stripped of docstrings (comments are gone 
 and printed back with ``ast.unparse``: the fingerprint is a hash of that. A ``signature``
 member (a helper the plug-in only calls) is fingerprinted on its ``def`` line alone.
 Beside the members, every place vLLM keys a check on the name ``NixlConnector`` is
-fingerprinted too (kvbridge/vllm/guards.py answers them). And every field of vLLM's data the
+fingerprinted too (kvbridge/vllm/refusals.py answers them). And every field of vLLM's data the
 plug-in reads (``FIELDS``: the scheduler output, requests, the connector metadata) is looked
 up: a field that is gone is named, as a fingerprint cannot (a class whose other fields
 changed would say "changed", not what the plug-in lost). kvbridge/tools/vllm/fingerprints.py holds
@@ -229,7 +229,7 @@ def drift(tree: SourceTree) -> tuple[str, list[str]]:
             what = ("is new" if key not in names else "is gone" if key not in now_names
                     else "changed")
             problems.append(f"vLLM {version}: a check on the name {NAME} at {key} {what}: "
-                            "see kvbridge/vllm/guards.py and docs/vllm.md")
+                            "see kvbridge/vllm/refusals.py and docs/vllm.md")
     return version, problems
 
 

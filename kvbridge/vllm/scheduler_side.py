@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 
 from kvbridge.vllm.holds import KEY_PARAM, new_key
 from kvbridge.vllm.listener import SideChannelListener
-from kvbridge.vllm.payload import validating
+from kvbridge.vllm.nixl_payload import validating
 from kvbridge.vllm.settings import PluginSettings
 from kvbridge.vllm.validation import TagWriter
 

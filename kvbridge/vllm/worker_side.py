@@ -17,7 +17,7 @@ from kvbridge._nixl import nixl_module, progress_delay
 from kvbridge.vllm.affinity import kept_affinity
 from kvbridge.vllm.client import SideChannelHandshake
 from kvbridge.vllm.holds import KeyedAgent
-from kvbridge.vllm.payload import validating
+from kvbridge.vllm.nixl_payload import validating
 from kvbridge.vllm.settings import PluginSettings
 from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.validation import ReadValidator, StepTags

@@ -25,8 +25,8 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import Etcd3Exception
 from etcd3gw.lease import Lease
 
-from kvbridge.background import ignored
 from kvbridge.errors import ConfigError, RegistryError, WatchCompacted
+from kvbridge.supervised import ignored
 
 log = logging.getLogger(__name__)
 
