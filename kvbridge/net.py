@@ -121,7 +121,7 @@ def grow_fd_table(connections: int) -> None:
     calls ``synchronize_rcu``), milliseconds during which ``accept`` blocks the event loop.
     A burst of 256 new connections to a fresh process grows the table 64 -> 512 in three
     such stalls, which a load generator that corrects for coordinated omission reports as
-    a p99 of hundreds of milliseconds (BENCHMARKS.md, section 11a). Taking a high fd once,
+    a p99 of hundreds of milliseconds. Taking a high fd once,
     while starting, leaves a table that never grows under load.
     """
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -133,6 +133,6 @@ def grow_fd_table(connections: int) -> None:
         # F_DUPFD takes the lowest free fd >= highest: never replaces an open one (dup2 would).
         os.close(fcntl.fcntl(base, fcntl.F_DUPFD_CLOEXEC, highest))
     except OSError:
-        pass  # no room under the limit: the table grows on demand, as before
+        pass  # no room under the limit: the table grows on demand
     finally:
         os.close(base)

@@ -339,7 +339,7 @@ class NixlSchedulerConnector:
     def _keyed(self, notes: list[tuple[str, int, int, str | None]]
                ) -> list[tuple[str, int, int]]:
         """The notes that carry their hold's key; the others are ignored and counted (a
-        note for a request not held is dropped later, as before)."""
+        note for a request not held is dropped later, unkeyed or not)."""
         kept = []
         for rid, rank, size, key in notes:
             if rid in self._leases and not _same_key(self._hold_keys.get(rid), key):

@@ -1,8 +1,7 @@
 """The proxy's HTTP transport: httpx's client API on aiohttp's connections.
 
-``kvbridge bench clients`` (BENCHMARKS.md §9) measured httpx 1.4-1.7 ms slower than aiohttp
-per call, nearly all of it in httpcore's pure-Python HTTP/1.1 (h11); aiohttp parses in C.
-The proxy's failover rules, its streaming relay and every proxy test are written against
+httpx is 1.4-1.7 ms slower than aiohttp per call (``kvbridge bench clients``), nearly all
+of it in httpcore's pure-Python HTTP/1.1 (h11); aiohttp parses in C. The proxy's failover rules, its streaming relay and every proxy test are written against
 httpx's API and exceptions, so the swap is underneath them: ``AiohttpTransport`` is an
 httpx transport, and aiohttp's failures are raised as the httpx exceptions they are
 (``_TRANSLATION``, a table read top to bottom).
@@ -239,7 +238,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                    limit: int = MAX_ANSWER_BYTES) -> httpx.Response:
         """``request`` sent and its whole answer read, without httpx's client around it
         (auth, redirects, cookies: none of which the proxy uses): the prefill hop, where
-        the client's own time is before the first token (BENCHMARKS.md §9). An answer
+        the client's own time is before the first token. An answer
         longer than ``limit`` bytes is ``too_large``'s error: read no further, its
         connection closed."""
         response = await self._send(request)

@@ -8,7 +8,7 @@ thread): the forward moves off the cores ``VLLM_CPU_OMP_THREADS_BIND`` (or the o
 ``taskset``) gave it, onto the machine's last core. A prefill and a decode bound to
 cores 0 and 1 then both compute on core 1, and each waits for the other's idle spin
 (vLLM's worker polls its queue for a second after each step): a prefill of 0.13 s took
-1.1 s (BENCHMARKS.md, section 11c). Stock vLLM has the same defect; the plug-in puts the
+1.1 s. Stock vLLM has the same defect; the plug-in puts the
 thread back where it was.
 
 Only where the cores were chosen outside vLLM's automatic binding: an explicit

@@ -17,7 +17,7 @@ The plug-in closes that as kvbridge's own engine does (optimistic read, then val
   ``recompute`` computes the prompt, ``fail`` refuses it), and
   ``vllm:kvbridge_kv_reads{result=...}`` counts it.
 
-A peer without tags (a stock vLLM) is read as before, logged once and counted
+A peer without tags (a stock vLLM) is read unvalidated, logged once and counted
 ``unvalidated``; ``read_validation: require`` refuses such READs instead (a load failure),
 ``off`` turns validation off (tags are neither kept nor read).
 Only vLLM's attention KV with one cache group is validated. A READ from a peer whose block

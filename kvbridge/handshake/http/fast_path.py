@@ -2,7 +2,7 @@
 
 A handshake is a ``GET`` of a precomputed envelope: routing it through Starlette (a
 request object, two middlewares, a response object, an ASGI task) cost most of the
-server's CPU (BENCHMARKS.md §2a). ``responder`` answers, straight from the parsed request
+server's CPU. ``responder`` answers, straight from the parsed request
 head, what it can answer the same way the app would:
 
 * ``GET /healthz``, ``GET /readyz``;
@@ -11,8 +11,8 @@ head, what it can answer the same way the app would:
   store answers 200; the audit log and the observer see it as they see the app's.
 
 Anything else (a refusal, a 503 or 404, the JSON view, another method or path, a query
-string, a body) returns None, and the request goes to the app (kvbridge.handshake.
-http_server), which decides again and answers as it always did: one answer per request.
+string, a body) returns None, and the request goes to the app (``server``), which decides
+again: one answer per request either way.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ answered) and the connection closed after the linger.
 
 A request ``responder`` can answer (``kvbridge.handshake.http.fast_path``: a handshake, the
 probes) is answered here, from the parsed head, without an ASGI task; any other goes to the
-app as before. Requests answered in order: one waits behind an app request still running
+app. Requests answered in order: one waits behind an app request still running
 on its connection (HTTP pipelining) by going to the app too. So does one that arrives
 while writes are paused (the client has not read 64 KiB of answers): the app's answer
 waits until they are read, and reading stops meanwhile, so a client that pipelines

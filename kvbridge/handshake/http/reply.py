@@ -2,7 +2,7 @@
 (``httptools``, the parser under the side channel's server too), its head and body bounded.
 
 Why not ``http.client``: its header parsing goes through the ``email`` package, three
-quarters of a warm fetch's time on loopback (BENCHMARKS.md, section 11d). Here one parser
+quarters of a warm fetch's time on loopback. Here one parser
 per reply, a handful of callbacks, and the reply's bytes read in as few ``recv`` calls as
 they arrive in.
 

@@ -192,8 +192,7 @@ class HttpHandshakeServer(HandshakeServer):
         config = uvicorn.Config(
             self._app, log_level="warning", access_log=False, lifespan="off",
             # httptools on uvloop: several times the requests per core of h11 on asyncio,
-            # and TLS in C rather than asyncio's Python layer (kvbridge bench sidechannel,
-            # handshake; BENCHMARKS.md).
+            # and TLS in C rather than asyncio's Python layer.
             http=guarded_protocol(self._protocol, self._budget, "side channel"),
             ws="none", backlog=2048, timeout_keep_alive=self._budget.keep_alive_timeout,
             limit_concurrency=self._limit_concurrency,
