@@ -1,8 +1,9 @@
 """The proxy's HTTP transport: httpx's client API on aiohttp's connections.
 
 httpx is 1.4-1.7 ms slower than aiohttp per call (``kvbridge bench clients``), nearly all
-of it in httpcore's pure-Python HTTP/1.1 (h11); aiohttp parses in C. The proxy's failover rules, its streaming relay and every proxy test are written against
-httpx's API and exceptions, so the swap is underneath them: ``AiohttpTransport`` is an
+of it in httpcore's pure-Python HTTP/1.1 (h11); aiohttp parses in C. The proxy's failover
+rules, its streaming relay and every proxy test are written against httpx's API and
+exceptions, so the swap is underneath them: ``AiohttpTransport`` is an
 httpx transport, and aiohttp's failures are raised as the httpx exceptions they are
 (``_TRANSLATION``, a table read top to bottom).
 
