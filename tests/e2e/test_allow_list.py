@@ -69,7 +69,9 @@ def pair(pki: Path, serve_log_dir: Path) -> Iterator[dict[str, Serve]]:
     side_port = free_port()
     procs = {"al-prefill": Serve("al-prefill", serve_log_dir, "--role", "prefill", *trust,
                                  "--side-channel-port", str(side_port), "--audit-log",
-                                 str(pki / "audit.jsonl"), tls=pki),
+                                 str(pki / "audit.jsonl"),
+                                 # the holds the refused reads leave are drained at exit
+                                 "--kv-lease-seconds", "5", tls=pki),
              # the decode presents its token to the prefill's side channel only
              "al-decode": Serve("al-decode", serve_log_dir, "--role", "decode", *trust,
                                 "--side-channel-port", "0", "--side-channel-token-file",
