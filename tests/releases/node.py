@@ -1,8 +1,9 @@
 """One vLLM instance without a model, run on the real code of whichever vLLM is imported.
 
-Run as a process of its own (``python tests/releases/node.py``) with a vLLM release first on
-``PYTHONPATH``: it builds that release's real ``VllmConfig``, ``Scheduler`` and ``Request``s,
-the plug-in's connectors through vLLM's own factory and transfer state, KV caches as CPU
+Each node is a process of its own, forked by its release's zygote (``node.py --zygote
+SOCKET``, which imports that vLLM once: tests/releases/conftest.py) with the release
+first on ``PYTHONPATH``: it builds that release's real ``VllmConfig``, ``Scheduler`` and
+``Request``s, the plug-in's connectors through vLLM's own factory and transfer state, KV caches as CPU
 tensors (registered with real NIXL by the connector) and drives them with that release's
 model-runner connector bracket (0.34's ``ActiveKVConnector``, the mixin before it). The only
 stand-in is the forward: a step writes a known value per (token, position) into the blocks
