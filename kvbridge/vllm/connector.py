@@ -52,7 +52,55 @@ __all__ = ["PAYLOAD_KIND", "WAKE_UP_REPUBLISHES", "KVBridgeConnector", "KVBridge
            "KVBridgeScheduler", "KVBridgeWorker", "describe_payload"]
 
 
-class KVBridgeConnector(NixlPullConnector):
+class _KVBridgeSides:
+    """What both connectors add to vLLM's (before it in the bases): kvbridge's scheduler
+    and worker sides built in place of the stock ones, their stats and metrics, and the
+    worker told of each step's metadata before the forward."""
+
+    mode = "pull"
+    scheduler_class: type = KVBridgeScheduler
+    worker_class: type = KVBridgeWorker
+    connector_scheduler: Any
+    connector_worker: Any
+    engine_id: str
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
+        return KVBridgeStats(data=data) if data is not None else KVBridgeStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any,
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVBridgePromMetrics:
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)  # type: ignore[misc]
+        if isinstance(self.connector_worker, self.worker_class):
+            self.connector_worker.kvbridge_before_forward(connector_metadata)
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig):
+        settings = plugin_settings(vllm_config, mode=self.mode)  # a bad one fails here
+        refuse_unguarded(vllm_config, kv_cache_config, wake_up_republishes=WAKE_UP_REPUBLISHES)
+        # vLLM's connector __init__ would build the stock scheduler/worker (and a NIXL
+        # agent): run the base's and build ours in their place. (Push: its refusal of
+        # decode context parallelism is refuse_unguarded's too.)
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        self.connector_scheduler = self.connector_worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = self.scheduler_class(vllm_config, self.engine_id,
+                                                            kv_cache_config, settings)
+            log.info("kvbridge.vllm%s: %s", "" if self.mode == "pull" else f" ({self.mode})",
+                     " ".join(settings.side_channel.describe()))
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = self.worker_class(vllm_config, self.engine_id,
+                                                      kv_cache_config, settings)
+        else:
+            raise ConfigError(f"kvbridge.vllm: unsupported connector role {role}")
+
+
+class KVBridgeConnector(_KVBridgeSides, NixlPullConnector):
     """vLLM's NixlConnector (pull) whose handshake travels over kvbridge's side channel.
 
     Load it with ``--kv-transfer-config '{"kv_connector": "KVBridgeConnector",
@@ -69,85 +117,19 @@ class KVBridgeConnector(NixlPullConnector):
             return False
         return bool(super().supports_sleep_mode(kv_transfer_config))  # type: ignore[misc]
 
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
-        return KVBridgeStats(data=data) if data is not None else KVBridgeStats()
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any,
-                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
-                           ) -> KVBridgePromMetrics:
-        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-    def bind_connector_metadata(self, connector_metadata: Any) -> None:
-        super().bind_connector_metadata(connector_metadata)
-        if isinstance(self.connector_worker, KVBridgeWorker):
-            self.connector_worker.kvbridge_before_forward(connector_metadata)
-
     def wait_for_save(self) -> None:
         super().wait_for_save()
         assert isinstance(self.connector_worker, KVBridgeWorker)
         self.connector_worker.kvbridge_after_forward(self._connector_metadata)
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig):
-        settings = plugin_settings(vllm_config)  # a bad setting fails here, in one line
-        refuse_unguarded(vllm_config, kv_cache_config, wake_up_republishes=WAKE_UP_REPUBLISHES)
-        # NixlPullConnector.__init__ would build the stock scheduler/worker (and a NIXL
-        # agent): run the base's and build ours in their place.
-        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
-        if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KVBridgeScheduler(vllm_config, self.engine_id,
-                                                         kv_cache_config, settings)
-            self.connector_worker = None
-        elif role == KVConnectorRole.WORKER:
-            self.connector_scheduler = None
-            self.connector_worker = KVBridgeWorker(vllm_config, self.engine_id,
-                                                   kv_cache_config, settings)
-        else:
-            raise ConfigError(f"kvbridge.vllm: unsupported connector role {role}")
-        if role == KVConnectorRole.SCHEDULER:
-            log.info("kvbridge.vllm: %s", " ".join(settings.side_channel.describe()))
 
-
-class KVBridgePushConnector(NixlPushConnector):
+class KVBridgePushConnector(_KVBridgeSides, NixlPushConnector):
     """vLLM's NixlPushConnector (the prefill WRITEs into the blocks a decode registered) whose
     handshakes, the decode's to the prefill and the prefill's to the decode, travel over
     kvbridge's side channel. Load it with ``"kv_connector": "KVBridgePushConnector",
     "kv_connector_module_path": "kvbridge.vllm"``. No READ validation: no READ happens
     (docs/vllm.md §6c)."""
 
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
-        return KVBridgeStats(data=data) if data is not None else KVBridgeStats()
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any,
-                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
-                           ) -> KVBridgePromMetrics:
-        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-    def bind_connector_metadata(self, connector_metadata: Any) -> None:
-        super().bind_connector_metadata(connector_metadata)
-        if isinstance(self.connector_worker, KVBridgePushWorker):
-            self.connector_worker.kvbridge_before_forward(connector_metadata)
-
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig):
-        settings = plugin_settings(vllm_config, mode="push")
-        refuse_unguarded(vllm_config, kv_cache_config, wake_up_republishes=WAKE_UP_REPUBLISHES)
-        # NixlPushConnector.__init__ would build the stock scheduler/worker (and a NIXL
-        # agent): run the base's and build ours in their place. Its refusal of decode
-        # context parallelism is refuse_unguarded's too.
-        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
-        self.connector_scheduler: KVBridgePushScheduler | None = None  # type: ignore[assignment]
-        self.connector_worker: KVBridgePushWorker | None = None  # type: ignore[assignment]
-        if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KVBridgePushScheduler(vllm_config, self.engine_id,
-                                                             kv_cache_config, settings)
-            log.info("kvbridge.vllm (push): %s", " ".join(settings.side_channel.describe()))
-        elif role == KVConnectorRole.WORKER:
-            self.connector_worker = KVBridgePushWorker(vllm_config, self.engine_id,
-                                                       kv_cache_config, settings)
-        else:
-            raise ConfigError(f"kvbridge.vllm: unsupported connector role {role}")
+    mode = "push"
+    scheduler_class = KVBridgePushScheduler
+    worker_class = KVBridgePushWorker

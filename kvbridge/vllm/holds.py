@@ -55,6 +55,45 @@ def new_key() -> str:
     return secrets.token_urlsafe(16)  # 128 bits; no ':' or '|'
 
 
+class HoldKeys:
+    """A scheduler's hold keys (mixed in before vLLM's scheduler, pull or push): a
+    prefill's request has its key from the step that computes it (the workers know it
+    before anyone can name the request in a note) and gives it out with its params if it
+    is held; a decode passes the key of each request it receives to its workers."""
+
+    def _kvbridge_keys_init(self, hold_keys: str) -> None:
+        self._kvbridge_keys_on = hold_keys == "require"
+        self._kvbridge_keys: dict[str, str] = {}  # prefill: request id -> its hold's key
+        self._kvbridge_new_keys: dict[str, str] = {}  # not yet sent to the workers
+        self._kvbridge_recv_keys: dict[str, str] = {}  # decode: request id -> its key
+
+    def _kvbridge_key_computed(self, request: Any) -> None:
+        """From the step that computes a request a decode will read: its key."""
+        if self._kvbridge_keys_on and (request.kv_transfer_params or {}).get("do_remote_decode"):
+            rid = request.request_id
+            self._kvbridge_new_keys[rid] = self._kvbridge_keys.setdefault(rid, new_key())
+
+    def request_finished(self, request: Any, block_ids: Any
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's; a held request's params carry its hold's key."""
+        delay, params = super().request_finished(request, block_ids)  # type: ignore[misc]
+        key = self._kvbridge_keys.pop(request.request_id, None)
+        if delay and params is not None and self._kvbridge_keys_on:
+            if key is None:  # held without an allocation seen here: keyed now (late)
+                key = self._kvbridge_new_keys[request.request_id] = new_key()
+            params[KEY_PARAM] = key
+        return delay, params
+
+    def _kvbridge_keys_meta(self, meta: Any, scheduler_output: Any) -> None:
+        """The step's keys on its connector metadata: the new holds' (a prefill's) and
+        those of the requests to receive (a decode's)."""
+        meta.kvbridge_hold_keys, self._kvbridge_new_keys = self._kvbridge_new_keys, {}
+        meta.kvbridge_recv_keys = {r: self._kvbridge_recv_keys.pop(r)
+                                   for r in meta.reqs_to_recv if r in self._kvbridge_recv_keys}
+        for r in scheduler_output.finished_req_ids:
+            self._kvbridge_recv_keys.pop(r, None)
+
+
 class KeyedAgent:
     """vLLM's NIXL agent with hold keys on READ-done notes (everything else is the agent's)."""
 

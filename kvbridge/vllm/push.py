@@ -29,7 +29,7 @@ from kvbridge._nixl import nixl_module, progress_delay
 from kvbridge.errors import ConfigError
 from kvbridge.vllm.affinity import kept_affinity
 from kvbridge.vllm.client import SideChannelHandshake
-from kvbridge.vllm.holds import KEY_PARAM, KeyedAgent, new_key
+from kvbridge.vllm.holds import KEY_PARAM, HoldKeys, KeyedAgent
 from kvbridge.vllm.listener import SideChannelListener
 from kvbridge.vllm.nixl_payload import log
 from kvbridge.vllm.pushreg import PUSH_REG_PREFIX, registration
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class KVBridgePushScheduler(SideChannelListener, NixlPushConnectorScheduler):
+class KVBridgePushScheduler(HoldKeys, SideChannelListener, NixlPushConnectorScheduler):
     """vLLM's push scheduler; its handshake listener is kvbridge's side-channel server (the
     decode's is where a prefill handshakes before it WRITEs), and its holds are keyed."""
 
@@ -55,19 +55,13 @@ class KVBridgePushScheduler(SideChannelListener, NixlPushConnectorScheduler):
                  kv_cache_config: KVCacheConfig, settings: PluginSettings):
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self._kvbridge_listen_init(settings)
-        self._kvbridge_keys_on = settings.hold_keys == "require"
-        self._kvbridge_keys: dict[str, str] = {}  # prefill: request id -> its hold's key
-        self._kvbridge_new_keys: dict[str, str] = {}  # not yet sent to the workers
-        self._kvbridge_recv_keys: dict[str, str] = {}  # decode: request id -> its key
+        self._kvbridge_keys_init(settings.hold_keys)
 
     def update_state_after_alloc(self, request: Request, blocks: Any,
                                  num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         rid, params = request.request_id, request.kv_transfer_params or {}
-        if self._kvbridge_keys_on and params.get("do_remote_decode"):
-            # From the step that computes it: the workers know it before the request's id
-            # leaves the prefill (and so before any registration can name it).
-            self._kvbridge_new_keys[rid] = self._kvbridge_keys.setdefault(rid, new_key())
+        self._kvbridge_key_computed(request)  # before any registration can name it
         reg = self._push_pending_registrations.get(rid)
         key = params.get(KEY_PARAM)
         if reg is not None and isinstance(key, str) and key:
@@ -75,24 +69,9 @@ class KVBridgePushScheduler(SideChannelListener, NixlPushConnectorScheduler):
             if self._kvbridge_keys_on:
                 self._kvbridge_recv_keys[rid] = key  # the WRITE-done note must carry it
 
-    def request_finished(self, request: Request, block_ids: Any
-                         ) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's; a held request's params carry its hold's key."""
-        delay, params = super().request_finished(request, block_ids)
-        key = self._kvbridge_keys.pop(request.request_id, None)
-        if delay and params is not None and self._kvbridge_keys_on:
-            if key is None:  # held without an allocation seen here: keyed now (late)
-                key = self._kvbridge_new_keys[request.request_id] = new_key()
-            params[KEY_PARAM] = key
-        return delay, params
-
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         meta = super().build_connector_meta(scheduler_output)
-        meta.kvbridge_hold_keys, self._kvbridge_new_keys = self._kvbridge_new_keys, {}
-        meta.kvbridge_recv_keys = {r: self._kvbridge_recv_keys.pop(r)
-                                   for r in meta.reqs_to_recv if r in self._kvbridge_recv_keys}
-        for r in scheduler_output.finished_req_ids:
-            self._kvbridge_recv_keys.pop(r, None)
+        self._kvbridge_keys_meta(meta, scheduler_output)
         return meta
 
 

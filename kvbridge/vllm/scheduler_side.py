@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
 
-from kvbridge.vllm.holds import KEY_PARAM, new_key
+from kvbridge.vllm.holds import KEY_PARAM, HoldKeys
 from kvbridge.vllm.listener import SideChannelListener
 from kvbridge.vllm.nixl_payload import validating
 from kvbridge.vllm.settings import PluginSettings
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class KVBridgeScheduler(SideChannelListener, NixlPullConnectorScheduler):
+class KVBridgeScheduler(HoldKeys, SideChannelListener, NixlPullConnectorScheduler):
     """vLLM's pull scheduler; its handshake listener is kvbridge's side-channel server."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str,
@@ -35,21 +35,13 @@ class KVBridgeScheduler(SideChannelListener, NixlPullConnectorScheduler):
         self._kvbridge_tags = (TagWriter(vllm_config.cache_config.block_size)
                                if validating(settings, kv_cache_config) else None)
         self._kvbridge_prompts: dict[str, list[int]] = {}
-        # Hold keys (kvbridge.vllm.holds): a prefill's request has its key from the step
-        # that computes it (the workers know it before anyone can name the request in a
-        # note); it is given out with the params if the request is held. A decode gets
-        # the keys of requests to read with their params.
-        self._kvbridge_keys_on = settings.hold_keys == "require"
-        self._kvbridge_keys: dict[str, str] = {}  # prefill: request id -> its hold's key
-        self._kvbridge_new_keys: dict[str, str] = {}  # not yet sent to the workers
-        self._kvbridge_recv_keys: dict[str, str] = {}
+        self._kvbridge_keys_init(settings.hold_keys)
 
     def update_state_after_alloc(self, request: Request, blocks: Any,
                                  num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         rid = request.request_id
-        if self._kvbridge_keys_on and (request.kv_transfer_params or {}).get("do_remote_decode"):
-            self._kvbridge_new_keys[rid] = self._kvbridge_keys.setdefault(rid, new_key())
+        self._kvbridge_key_computed(request)
         if rid not in self._reqs_need_recv:
             return
         # vLLM queued a READ for it (it clears do_remote_prefill itself): keep its prompt
@@ -60,27 +52,13 @@ class KVBridgeScheduler(SideChannelListener, NixlPullConnectorScheduler):
         if isinstance(key, str) and key:
             self._kvbridge_recv_keys[rid] = key
 
-    def request_finished(self, request: Request, block_ids: Any
-                         ) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's; a held request's params carry its hold's key."""
-        delay, params = super().request_finished(request, block_ids)
-        key = self._kvbridge_keys.pop(request.request_id, None)
-        if delay and params is not None and self._kvbridge_keys_on:
-            if key is None:  # held without an allocation seen here: keyed now (late)
-                key = self._kvbridge_new_keys[request.request_id] = new_key()
-            params[KEY_PARAM] = key
-        return delay, params
-
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         meta = super().build_connector_meta(scheduler_output)
         if self._kvbridge_tags is not None:
             meta.kvbridge_tags = self._kvbridge_tags.step(scheduler_output)
             meta.kvbridge_prompts = {r: self._kvbridge_prompts.pop(r)
                                      for r in meta.reqs_to_recv if r in self._kvbridge_prompts}
-        meta.kvbridge_hold_keys, self._kvbridge_new_keys = self._kvbridge_new_keys, {}
-        meta.kvbridge_recv_keys = {r: self._kvbridge_recv_keys.pop(r)
-                                   for r in meta.reqs_to_recv if r in self._kvbridge_recv_keys}
+        self._kvbridge_keys_meta(meta, scheduler_output)
         for r in scheduler_output.finished_req_ids:
             self._kvbridge_prompts.pop(r, None)
-            self._kvbridge_recv_keys.pop(r, None)
         return meta
