@@ -26,7 +26,7 @@ SLOW = (
     "tests/releases/",  # the plug-in through each vLLM release's own code
     "tests/netns/",
     "tests/e2e/test_demo.py",  # the SmolLM2 demos
-    "tests/e2e/test_real_model.py",
+    "tests/e2e/test_real_model_pd.py",
     "tests/test_real_model.py",  # transformers against SmolLM2
     "tests/test_install.py::test_the_vllm_plugin_loads_without_extras",  # imports vLLM
     "tests/test_model_prepare.py::test_prepare_writes_a_complete_checkpoint_once",  # SmolLM2
