@@ -253,3 +253,18 @@ def test_a_republish_etcd_refused_is_put_again(etcd):
     finally:
         server.stop()
 
+
+
+def test_a_client_closed_at_once_leaves_no_watch_behind(etcd):
+    """Closed right after it was made (its watch maybe not open yet), a client's watch
+    thread ends within close(): a watch opened after close() is refused rather than left
+    blocked on its stream."""
+    endpoint = parse_registry_url(etcd.url)
+    for _ in range(20):  # the race close() loses at one moment or another of the start
+        client = EtcdHandshakeClient(2.0, None, endpoint=endpoint)
+        client.close()
+        assert not client._thread.is_alive()
+    registry = EtcdRegistry(endpoint)
+    registry.close()
+    with pytest.raises(RegistryError, match="closed"):
+        next(registry.watch_prefix(HANDSHAKE_PREFIX, 1))

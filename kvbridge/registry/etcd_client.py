@@ -203,6 +203,7 @@ class EtcdRegistry:
         self._client.session.trust_env = False  # never through HTTP(S)_PROXY
         self._watch_lock = threading.Lock()
         self._watches: set[socket.socket] = set()
+        self._closed = False  # a watch opened after close() would block its reader for good
         self._ssl: ssl.SSLContext | None = None
 
     def _call(self, fn: Callable[[], object], write: bool) -> object:
@@ -316,6 +317,8 @@ class EtcdRegistry:
                 sock = self._ssl_context().wrap_socket(sock, server_hostname=host.strip("[]"))
             conn.sock = sock
             with self._watch_lock:
+                if self._closed:
+                    raise RegistryError(f"etcd {self.endpoint.url}: closed")
                 self._watches.add(sock)
             conn.request("POST", "/v3/watch", body=json.dumps(body).encode(),
                          headers={"content-type": "application/json"})
@@ -388,8 +391,10 @@ class EtcdRegistry:
                     yield WatchEvent(kind, *item)
 
     def close(self) -> None:
-        """Ends every watch in progress (their iterators raise ``RegistryError``)."""
+        """Ends every watch in progress (their iterators raise ``RegistryError``), and any
+        opened from now on."""
         with self._watch_lock:
+            self._closed = True
             watches = list(self._watches)
         for sock in watches:
             # Shutting the socket down wakes a reader blocked on it (the base class's
