@@ -32,9 +32,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 10  # seconds a registration outlives its instance's last keep-alive
 DEFAULT_OP_TIMEOUT = 2.0  # one unary call to etcd; etcd down must not stall anyone long
-# The most of one watch message held while its end has not come: a message carries a few
-# events, each value bounded by its reader (64 KiB for an instance record, a handshake's
-# max_message_bytes), base64-encoded. Past it the watch ends and its reader lists again.
+# The most of one watch message held before its end: a few events, each value bounded by
+# its reader (an instance record's 64 KiB, a handshake's max_message_bytes), in base64.
+# Past it the watch ends and its reader lists again.
 MAX_WATCH_MESSAGE = 8 * 1024 * 1024
 _WHITESPACE = re.compile(r"\s*")
 
@@ -178,10 +178,8 @@ class Entry:
 
 class EtcdRegistry:
     """A small etcd v3 client: what registration, membership and the etcd handshake need.
-
-    Counts its calls (``reads``/``writes``) so a benchmark can show none is made per request.
-    ``max_watch_message``: the most of one watch message it buffers (``watch_prefix``).
-    """
+    Counts its calls (``reads``/``writes``: a benchmark shows none is made per request).
+    ``max_watch_message``: the most of one watch message it buffers (``watch_prefix``)."""
 
     def __init__(self, endpoint: EtcdEndpoint, timeout: float = DEFAULT_OP_TIMEOUT,
                  max_watch_message: int = MAX_WATCH_MESSAGE):
@@ -272,11 +270,10 @@ class EtcdRegistry:
 
     def watch_prefix(self, prefix: str, start_revision: int,
                      max_value_bytes: int | None = None) -> Iterator[WatchEvent]:
-        """Events under ``prefix`` from ``start_revision`` on, until the stream ends: then
-        ``RegistryError`` (``WatchCompacted`` if that revision is gone; also a message that
-        passes ``max_watch_message``, or room for two values of ``max_value_bytes``, before
-        its end). ``close`` ends it. Events on keys that are not UTF-8, and puts of values
-        over ``max_value_bytes``, are left out and counted, as in ``get_prefix``."""
+        """Events under ``prefix`` from ``start_revision`` on, until the stream ends (or
+        ``close``): then ``RegistryError`` (``WatchCompacted`` if that revision is gone;
+        also a message past ``max_watch_message`` or two values of ``max_value_bytes``).
+        Keys not UTF-8 and values over ``max_value_bytes`` are left out and counted."""
         self.reads += 1
         body = {
             "create_request": {
@@ -391,8 +388,7 @@ class EtcdRegistry:
                     yield WatchEvent(kind, *item)
 
     def close(self) -> None:
-        """Ends every watch in progress (their iterators raise ``RegistryError``), and any
-        opened from now on."""
+        """Ends every watch in progress or opened later (their iterators raise)."""
         with self._watch_lock:
             self._closed = True
             watches = list(self._watches)
