@@ -42,6 +42,17 @@ SLOW = (
     "tests/test_bench.py::test_fleet",
     "tests/test_bench.py::test_hostile",
     "tests/test_bench.py::test_transfer_netns",
+    # each waits out a deadline it is about (a lease, a TTL, the liveness timeout) or
+    # starts and drains a mutual-TLS cluster of its own: 5 to 20 s apiece
+    "tests/e2e/test_allow_list.py",
+    "tests/e2e/test_pd.py::test_dead_side_channel_recompute",
+    "tests/e2e/test_pd.py::test_dead_side_channel_fail_policy",
+    "tests/e2e/test_serve_side_channel_process.py::"
+    "test_the_instances_health_follows_a_stopped_side_channel",
+    "tests/test_side_channel_process.py::test_a_stopped_child_is_down_until_it_answers_again",
+    "tests/test_registry.py::test_register_keepalive_update_deregister",
+    "tests/test_registry.py::"
+    "test_a_foreign_write_at_a_live_registrars_key_is_undone_and_logged",
 )
 
 
